@@ -1,0 +1,1 @@
+"""The worker process: settings, run execution under a lease, reclaim sweep, CLI."""

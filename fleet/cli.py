@@ -1,0 +1,56 @@
+"""The ``intermission`` command."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import click
+from pydantic import ValidationError
+
+from fleet.settings import Settings
+from schemas.errors import IntermissionError
+from store.migrate import ensure_database, migrate
+
+
+def load_settings() -> Settings:
+    try:
+        return Settings()
+    except ValidationError as exc:
+        lines = [
+            f"  INTERMISSION_{'_'.join(str(p) for p in err['loc']).upper() or '(settings)'}: {err['msg']}"
+            for err in exc.errors()
+        ]
+        raise click.ClickException("bad settings:\n" + "\n".join(lines)) from exc
+
+
+@click.group()
+def main() -> None:
+    """Intermission: durable pauses and exactly-once resumes for AI agent runs."""
+
+
+@main.command("migrate")
+def migrate_command() -> None:
+    """Create the database when it is missing, then apply every pending migration."""
+    settings = load_settings()
+
+    async def run() -> None:
+        created = await ensure_database(settings.database_url)
+        if created:
+            click.echo("created the database")
+        applied = await migrate(settings.database_url)
+        if applied:
+            for m in applied:
+                click.echo(f"applied {m.version:04d}_{m.name}")
+        else:
+            click.echo("the database is up to date")
+
+    try:
+        asyncio.run(run())
+    except IntermissionError as exc:
+        click.echo(f"migrate failed ({exc.code}): {exc.detail}", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Settings, from the environment (prefix ``INTERMISSION_``), each with a default that works on a
+developer's machine. A bad setting stops the process at start with a message naming it."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="INTERMISSION_", extra="ignore", frozen=True)
+
+    database_url: str = "postgresql://postgres@localhost:5432/intermission"
+    amqp_url: str = "amqp://guest:guest@localhost:5672/"
+    # The RabbitMQ user whose broker-validated user_id marks a message as the messaging bus's reply.
+    bus_user: str = "intermission-bus"
+    prefetch: int = Field(default=16, ge=1, le=1000)
+    pool_max_size: int = Field(default=10, ge=1, le=200)
+    lease_seconds: float = Field(default=30.0, gt=0)
+    lease_renew_seconds: float = Field(default=10.0, gt=0)
+    reclaim_interval_seconds: float = Field(default=5.0, gt=0)
+    reclaim_batch: int = Field(default=32, ge=1, le=1000)
+    sweep_interval_seconds: float = Field(default=60.0, gt=0)
+    sweep_batch: int = Field(default=100, ge=1, le=10000)
+    # The deadline of a pause; 0 means pauses never expire.
+    pause_ttl_seconds: int = Field(default=86400, ge=0)
+    # The default max_steps of a run whose config leaves it unset.
+    max_steps: int = Field(default=32, ge=1)
+    shutdown_grace_seconds: float = Field(default=20.0, ge=0)
+    # 0 turns the Prometheus endpoint off.
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    # "module:attribute" of the executor factory; the default is the agent loop with the scripted model.
+    executor: str = "fleet.agent:default_executor"
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _renew_before_lapse(self) -> Settings:
+        if self.lease_renew_seconds >= self.lease_seconds:
+            raise ValueError(
+                "INTERMISSION_LEASE_RENEW_SECONDS must be shorter than INTERMISSION_LEASE_SECONDS, "
+                "or a lease lapses between renewals"
+            )
+        return self

@@ -1,0 +1,34 @@
+"""Event bodies published on ``intermission.events`` (DESIGN.md section 5)."""
+
+from __future__ import annotations
+
+from schemas.base import Model
+from schemas.ids import RunId
+from schemas.names import RunEventKind
+from schemas.scope import Scope
+from schemas.suspension import Notice
+
+# A notice event's body is the Notice itself: it already carries run_id and run_revision.
+NoticeEvent = Notice
+
+
+class RunEvent(Model):
+    """``run.<resumed|completed|failed|cancelled|expired>.<app>.<tenant>``."""
+
+    kind: RunEventKind
+    run_id: RunId
+    revision: int
+    scope: Scope
+    output: str | None = None
+    error: str | None = None
+
+
+class CommandRejected(Model):
+    """``command.rejected.<app>.<tenant>``: a refused command, and why."""
+
+    message_id: str
+    routing_key: str
+    code: str
+    detail: str
+    scope: Scope | None = None
+    run_id: str | None = None

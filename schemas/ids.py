@@ -1,0 +1,22 @@
+"""Identifier formats (DESIGN.md section 5)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import StringConstraints
+
+RUN_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+
+# Chosen by the caller, so a repeated start is a no-op and a different start under the same id is a
+# conflict. A UUID fits.
+RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
+
+# 1-128 characters; the demo agent is "demo".
+AgentId = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+
+# Suspension and checkpoint ids are assigned by Intermission from database sequences, so "the highest
+# suspension id" (LatestResumeAdmission) is the latest pause of a run by one clock, whichever worker
+# wrote it.
+SuspensionId = int
+CheckpointId = int

@@ -1,0 +1,91 @@
+"""Runs, their states and leases."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import Field
+
+from schemas.base import Model
+from schemas.config import RunConfig
+from schemas.ids import AgentId, RunId
+from schemas.scope import Scope
+from schemas.script import ScriptTurn
+
+
+class RunState(StrEnum):
+    CREATED = "created"
+    RUNNING = "running"
+    PAUSED = "paused"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        # An allowlist, not a denylist: a state this code does not know counts as live, so a newer
+        # worker's state is never swept as finished by an older one.
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED})
+
+
+class Lease(Model):
+    """A claim on a running run: its owner and how long it holds before it lapses.
+
+    The expiry is computed by the database clock (``now() + ttl``), never by a worker's, so "lapsed" and
+    "held" are judged by one clock. An owner with no ttl, or a ttl with no owner, is a half lease and every
+    store method refuses it with RunLeaseLost.
+    """
+
+    model_config = Model.model_config | {"frozen": True}
+
+    owner: str = ""
+    ttl_seconds: float = 0.0
+
+    @property
+    def is_set(self) -> bool:
+        return bool(self.owner) and self.ttl_seconds > 0
+
+    @property
+    def is_half(self) -> bool:
+        return bool(self.owner) != (self.ttl_seconds > 0)
+
+
+class Run(Model):
+    """One execution of an agent."""
+
+    id: RunId
+    scope: Scope
+    agent_id: AgentId
+    state: RunState
+    # Bumped by every state change; a claim pins it so a later pause never satisfies an older claim.
+    revision: int
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    input: str = ""
+    output: str | None = None
+    error: str | None = None
+    session_id: str = ""
+    config: RunConfig = Field(default_factory=RunConfig)
+    script: list[ScriptTurn] | None = None
+    # The pause deadline for this run's pauses; 0 means no deadline.
+    pause_ttl_seconds: int = 0
+    step_count: int = 0
+    tokens_used: int = 0
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+
+class NewRun(Model):
+    """What creating a run takes (the body of ``run.start`` without its scope)."""
+
+    run_id: RunId
+    agent_id: AgentId
+    input: str = ""
+    config: RunConfig = Field(default_factory=RunConfig)
+    script: list[ScriptTurn] | None = None
+    pause_ttl_seconds: int = Field(default=0, ge=0)
+    session_id: str = ""

@@ -1,0 +1,31 @@
+"""Intermission's Postgres store: every store capability of the seed, at the caller's exact scope."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from store.db import Database
+from store.progress import ProgressStore
+from store.runs import RunStore
+from store.suspensions import SuspensionStore
+
+
+@dataclass(frozen=True)
+class Stores:
+    """The capabilities over one pool."""
+
+    db: Database
+    suspensions: SuspensionStore
+    progress: ProgressStore
+    runs: RunStore
+
+    @classmethod
+    def over(cls, db: Database) -> Stores:
+        return cls(db=db, suspensions=SuspensionStore(db), progress=ProgressStore(db), runs=RunStore(db))
+
+    @classmethod
+    async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10) -> Stores:
+        return cls.over(await Database.connect(dsn, min_size=min_size, max_size=max_size))
+
+    async def close(self) -> None:
+        await self.db.close()

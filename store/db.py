@@ -1,0 +1,135 @@
+"""The one way store code talks to Postgres: a pool, transactions, and statements by name.
+
+``Conn`` accepts query NAMES, never SQL text, so every statement that runs is one of the reviewed
+statements in ``store/queries/``. Driver errors are translated here into Intermission's typed errors
+(``store_unavailable`` for what a retry may cure); asyncpg types never leave ``store/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+
+from schemas.errors import IntermissionError, StoreUnavailable
+from store.queries import QUERIES
+
+# SQLSTATEs a retry may cure: serialisation failures and deadlocks, and the server going away.
+_TRANSIENT_SQLSTATES = frozenset(
+    {
+        "40001",  # serialization_failure
+        "40P01",  # deadlock_detected
+        "55P03",  # lock_not_available
+        "57P01",  # admin_shutdown (pg_terminate_backend, a stopping server)
+        "57P02",  # crash_shutdown
+        "57P03",  # cannot_connect_now
+        "53300",  # too_many_connections
+        "08000",
+        "08003",
+        "08006",
+        "08001",
+        "08004",
+    }
+)
+
+
+class StoreError(IntermissionError):
+    """The database refused a statement for a reason the store did not expect."""
+
+    code = "store_error"
+
+
+def is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, asyncpg.PostgresError):
+        return exc.sqlstate in _TRANSIENT_SQLSTATES
+    return isinstance(
+        exc,
+        OSError | asyncpg.InterfaceError | asyncpg.exceptions.ConnectionDoesNotExistError | TimeoutError,
+    )
+
+
+@contextmanager
+def translated() -> Iterator[None]:
+    """Re-raise driver errors as typed Intermission errors, cause chained."""
+    try:
+        yield
+    except IntermissionError:
+        raise
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
+        if is_transient(exc):
+            raise StoreUnavailable(f"database unavailable: {type(exc).__name__}") from exc
+        sqlstate = getattr(exc, "sqlstate", None)
+        raise StoreError(f"database error {sqlstate or type(exc).__name__}") from exc
+
+
+class Conn:
+    """A connection that runs named statements."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: asyncpg.Connection[Any] | PoolConnectionProxy[Any]) -> None:
+        self.raw = raw
+
+    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        return await self.raw.fetch(QUERIES[query], *args)
+
+    async def fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
+        return await self.raw.fetchrow(QUERIES[query], *args)
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        return await self.raw.fetchval(QUERIES[query], *args)
+
+    async def execute(self, query: str, *args: Any) -> str:
+        return await self.raw.execute(QUERIES[query], *args)
+
+
+class Database:
+    """One asyncpg pool per process, and the transactions store code runs in."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    @classmethod
+    async def connect(
+        cls,
+        dsn: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 10,
+        command_timeout: float = 30.0,
+        application_name: str = "intermission",
+    ) -> Database:
+        with translated():
+            pool = await asyncpg.create_pool(
+                dsn,
+                min_size=min_size,
+                max_size=max_size,
+                command_timeout=command_timeout,
+                server_settings={"application_name": application_name},
+            )
+        return cls(pool)
+
+    async def close(self, grace: float = 10.0) -> None:
+        """Wait for connections to be released, up to ``grace`` seconds, then terminate the rest."""
+        try:
+            await asyncio.wait_for(self.pool.close(), grace)
+        except TimeoutError:
+            self.pool.terminate()
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Conn]:
+        """A connection inside one transaction; it commits when the block ends without an error."""
+        with translated():
+            async with self.pool.acquire() as raw, raw.transaction():
+                yield Conn(raw)
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[Conn]:
+        """A connection in autocommit mode: each statement is its own transaction."""
+        with translated():
+            async with self.pool.acquire() as raw:
+                yield Conn(raw)

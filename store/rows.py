@@ -1,0 +1,123 @@
+"""Rows to domain models, and domain models to column values.
+
+Stored JSON is decoded with pydantic's JSON mode, so bytes come back from base64 exactly and a malformed
+row is an ``InvalidContinuation`` at the boundary, not a half-restored run several steps later.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import asyncpg
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from schemas.config import RunConfig
+from schemas.errors import InvalidContinuation
+from schemas.run import Run, RunState
+from schemas.scope import Scope
+from schemas.script import ScriptTurn
+from schemas.suspension import (
+    Continuation,
+    Ending,
+    PendingCall,
+    Progress,
+    ProgressResult,
+    SuspendReason,
+    Suspension,
+)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+PENDING = TypeAdapter(list[PendingCall])
+STARTED = PENDING
+DONE = TypeAdapter(list[ProgressResult])
+SCRIPT = TypeAdapter(list[ScriptTurn])
+
+
+def dump(value: BaseModel) -> str:
+    return value.model_dump_json()
+
+
+def dump_list(adapter: TypeAdapter[list[T]], values: list[T]) -> str:
+    return adapter.dump_json(values).decode()
+
+
+def _load(model: type[M], raw: str, what: str) -> M:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise InvalidContinuation(f"stored {what} is malformed: {exc.error_count()} error(s)") from exc
+
+
+def _load_list(adapter: TypeAdapter[T], raw: str, what: str) -> T:
+    try:
+        return adapter.validate_json(raw)
+    except ValidationError as exc:
+        raise InvalidContinuation(f"stored {what} is malformed: {exc.error_count()} error(s)") from exc
+
+
+def run_from_row(row: asyncpg.Record, prefix: str = "") -> Run:
+    def col(name: str) -> Any:
+        return row[prefix + name]
+
+    script_raw = col("script")
+    return Run(
+        id=col("id"),
+        scope=Scope(app=col("app"), tenant=col("tenant")),
+        agent_id=col("agent_id"),
+        state=RunState(col("state")),
+        revision=col("revision"),
+        lease_owner=col("lease_owner"),
+        lease_expires_at=col("lease_expires_at"),
+        input=col("input"),
+        output=col("output"),
+        error=col("error"),
+        session_id=col("session_id"),
+        config=_load(RunConfig, col("config"), "run config"),
+        script=None if script_raw is None else _load_list(SCRIPT, script_raw, "run script"),
+        pause_ttl_seconds=col("pause_ttl_seconds"),
+        step_count=col("step_count"),
+        tokens_used=col("tokens_used"),
+        created_at=col("created_at"),
+        updated_at=col("updated_at"),
+    )
+
+
+def suspension_from_row(row: asyncpg.Record) -> Suspension:
+    return Suspension(
+        id=row["id"],
+        run_id=row["run_id"],
+        scope=Scope(app=row["app"], tenant=row["tenant"]),
+        reason=SuspendReason(row["reason"]),
+        pending=_load_list(PENDING, row["pending"], "pending calls"),
+        continuation=_load(Continuation, row["continuation"], "continuation"),
+        checkpoint_id=row["checkpoint_id"],
+        approvers=list(row["approvers"]),
+        expires_at=row["expires_at"],
+        created_at=row["created_at"],
+    )
+
+
+def progress_from_row(row: asyncpg.Record) -> Progress:
+    ending_raw = row["ending"]
+    return Progress(
+        run_id=row["run_id"],
+        scope=Scope(app=row["app"], tenant=row["tenant"]),
+        owner=row["owner"],
+        continuation=_load(Continuation, row["continuation"], "progress continuation"),
+        started=_load_list(STARTED, row["started"], "progress started"),
+        done=_load_list(DONE, row["done"], "progress done"),
+        ending=None if ending_raw is None else _load(Ending, ending_raw, "progress ending"),
+        updated_at=row["updated_at"],
+    )
+
+
+def progress_columns(p: Progress) -> tuple[str, str, str, str | None]:
+    """(continuation, started, done, ending) as column values."""
+    return (
+        dump(p.continuation),
+        dump_list(STARTED, p.started),
+        dump_list(DONE, p.done),
+        None if p.ending is None else dump(p.ending),
+    )
