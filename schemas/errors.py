@@ -241,6 +241,4 @@ ALL_ERRORS: tuple[type[IntermissionError], ...] = (
 
 _ABSTRACT = (IntermissionError, PermanentError, TransientError)
 
-ERRORS_BY_CODE: dict[str, type[IntermissionError]] = {
-    cls.code: cls for cls in ALL_ERRORS if cls not in _ABSTRACT
-}
+ERRORS_BY_CODE: dict[str, type[IntermissionError]] = {cls.code: cls for cls in ALL_ERRORS if cls not in _ABSTRACT}

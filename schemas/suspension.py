@@ -157,6 +157,10 @@ class Progress(Model):
     done: list[ProgressResult] = Field(default_factory=list)
     # The end a claim was made to write and did not get to.
     ending: Ending | None = None
+    # Pending calls an approval decision granted: they run through the approval path (the authorizer is
+    # not asked again). Not in the seed's struct: the seed's engine kept this on the checkpoint, and a
+    # snapshot that is to carry "every answer the claim was made with" has to carry this one too.
+    approved: list[str] = Field(default_factory=list)
     # Set by the store, by the database clock.
     updated_at: datetime | None = None
 

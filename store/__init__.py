@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from store.commands import CommandStore
 from store.db import Database
+from store.operations import OperationsStore
 from store.progress import ProgressStore
 from store.runs import RunStore
+from store.sessions import SessionStore
 from store.suspensions import SuspensionStore
 
 
@@ -18,10 +21,21 @@ class Stores:
     suspensions: SuspensionStore
     progress: ProgressStore
     runs: RunStore
+    commands: CommandStore
+    sessions: SessionStore
+    operations: OperationsStore
 
     @classmethod
     def over(cls, db: Database) -> Stores:
-        return cls(db=db, suspensions=SuspensionStore(db), progress=ProgressStore(db), runs=RunStore(db))
+        return cls(
+            db=db,
+            suspensions=SuspensionStore(db),
+            progress=ProgressStore(db),
+            runs=RunStore(db),
+            commands=CommandStore(db),
+            sessions=SessionStore(db),
+            operations=OperationsStore(db),
+        )
 
     @classmethod
     async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10) -> Stores:

@@ -86,9 +86,7 @@ async def _migrate(con: Conn) -> list[Migration]:
                     continue
                 async with con.raw.transaction():
                     await con.raw.execute(migration.sql)
-                    await con.execute(
-                        "migrations_record", migration.version, migration.name, migration.checksum
-                    )
+                    await con.execute("migrations_record", migration.version, migration.name, migration.checksum)
                 done.append(migration)
             return done
         finally:

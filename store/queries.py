@@ -22,9 +22,7 @@ def parse(text: str, source: str = "<sql>") -> dict[str, str]:
     found: dict[str, str] = {}
     for index, header in enumerate(headers):
         end = headers[index + 1].start() if index + 1 < len(headers) else len(text)
-        body_lines = [
-            line for line in text[header.end() : end].splitlines() if not line.lstrip().startswith("--")
-        ]
+        body_lines = [line for line in text[header.end() : end].splitlines() if not line.lstrip().startswith("--")]
         body = "\n".join(body_lines).strip().rstrip(";").strip()
         if not body:
             raise ValueError(f"{source}: query {header.group(1)!r} is empty")

@@ -13,6 +13,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from schemas.config import RunConfig
 from schemas.errors import InvalidContinuation
+from schemas.llm import Message
 from schemas.run import Run, RunState
 from schemas.scope import Scope
 from schemas.script import ScriptTurn
@@ -32,6 +33,8 @@ T = TypeVar("T")
 PENDING = TypeAdapter(list[PendingCall])
 STARTED = PENDING
 DONE = TypeAdapter(list[ProgressResult])
+CALL_IDS = TypeAdapter(list[str])
+MESSAGES = TypeAdapter(list[Message])
 SCRIPT = TypeAdapter(list[ScriptTurn])
 
 
@@ -43,7 +46,7 @@ def dump_list(adapter: TypeAdapter[list[T]], values: list[T]) -> str:
     return adapter.dump_json(values).decode()
 
 
-def _load(model: type[M], raw: str, what: str) -> M:
+def load_model(model: type[M], raw: str, what: str) -> M:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
@@ -74,7 +77,7 @@ def run_from_row(row: asyncpg.Record, prefix: str = "") -> Run:
         output=col("output"),
         error=col("error"),
         session_id=col("session_id"),
-        config=_load(RunConfig, col("config"), "run config"),
+        config=load_model(RunConfig, col("config"), "run config"),
         script=None if script_raw is None else _load_list(SCRIPT, script_raw, "run script"),
         pause_ttl_seconds=col("pause_ttl_seconds"),
         step_count=col("step_count"),
@@ -91,7 +94,7 @@ def suspension_from_row(row: asyncpg.Record) -> Suspension:
         scope=Scope(app=row["app"], tenant=row["tenant"]),
         reason=SuspendReason(row["reason"]),
         pending=_load_list(PENDING, row["pending"], "pending calls"),
-        continuation=_load(Continuation, row["continuation"], "continuation"),
+        continuation=load_model(Continuation, row["continuation"], "continuation"),
         checkpoint_id=row["checkpoint_id"],
         approvers=list(row["approvers"]),
         expires_at=row["expires_at"],
@@ -105,19 +108,21 @@ def progress_from_row(row: asyncpg.Record) -> Progress:
         run_id=row["run_id"],
         scope=Scope(app=row["app"], tenant=row["tenant"]),
         owner=row["owner"],
-        continuation=_load(Continuation, row["continuation"], "progress continuation"),
+        continuation=load_model(Continuation, row["continuation"], "progress continuation"),
         started=_load_list(STARTED, row["started"], "progress started"),
         done=_load_list(DONE, row["done"], "progress done"),
-        ending=None if ending_raw is None else _load(Ending, ending_raw, "progress ending"),
+        ending=None if ending_raw is None else load_model(Ending, ending_raw, "progress ending"),
+        approved=_load_list(CALL_IDS, row["approved"], "progress approved"),
         updated_at=row["updated_at"],
     )
 
 
-def progress_columns(p: Progress) -> tuple[str, str, str, str | None]:
-    """(continuation, started, done, ending) as column values."""
+def progress_columns(p: Progress) -> tuple[str, str, str, str | None, str]:
+    """(continuation, started, done, ending, approved) as column values."""
     return (
         dump(p.continuation),
         dump_list(STARTED, p.started),
         dump_list(DONE, p.done),
         None if p.ending is None else dump(p.ending),
+        dump_list(CALL_IDS, p.approved),
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from schemas.digest import digest
 from schemas.errors import InvalidArgument, RunExists, RunLeaseLost, RunNotFound, RunNotReclaimable
 from schemas.events import RunEvent
+from schemas.llm import Message
 from schemas.names import RunEventKind
 from schemas.run import Lease, NewRun, Run, RunState
 from schemas.scope import Scope, require_scope
@@ -141,9 +142,7 @@ class RunStore:
         require_scope(scope)
         _check_lease(lease)
         async with self.db.connection() as con:
-            expires = await con.fetchval(
-                "renew_lease", run_id, scope.app, scope.tenant, lease.owner, lease.ttl_seconds
-            )
+            expires = await con.fetchval("renew_lease", run_id, scope.app, scope.tenant, lease.owner, lease.ttl_seconds)
         if expires is None:
             raise RunLeaseLost(f"{lease.owner} no longer holds run {run_id}")
 
@@ -182,8 +181,7 @@ class RunStore:
             raise InvalidArgument("limit must be at least 1")
         async with self.db.transaction() as con:
             taken = [
-                rows.run_from_row(r)
-                for r in await con.fetch("reclaim_lapsed", lease.owner, lease.ttl_seconds, limit)
+                rows.run_from_row(r) for r in await con.fetch("reclaim_lapsed", lease.owner, lease.ttl_seconds, limit)
             ]
             if not taken:
                 return []
@@ -285,25 +283,33 @@ class RunStore:
         output: str | None = None,
         error: str | None = None,
         correlation_id: str | None = None,
+        own_messages: list[Message] | None = None,
     ) -> RunEvent:
         """End a running run held by ``owner``, in ONE transaction with its metadata event and its
-        ``run.<kind>`` event: progress and any pause are removed, undecided checkpoints are closed."""
+        ``run.<kind>`` event: progress and any pause are removed, undecided checkpoints are closed, and the
+        run's OWN messages (never its loaded history) are appended to the session it started in."""
         require_scope(scope)
         state = _END_STATES.get(kind)
         if state is None:
             raise InvalidArgument(f"{kind.value} is not an end")
         async with self.db.transaction() as con:
-            revision = await con.fetchval(
-                "end_run", run_id, scope.app, scope.tenant, owner, state.value, output, error
-            )
-            if revision is None:
+            ended = await con.fetchrow("end_run", run_id, scope.app, scope.tenant, owner, state.value, output, error)
+            if ended is None:
                 raise RunLeaseLost(f"{owner or 'an empty owner'} does not hold run {run_id}")
+            revision: int = ended["revision"]
+            if own_messages:
+                await con.execute(
+                    "append_session",
+                    scope.app,
+                    scope.tenant,
+                    ended["session_id"],
+                    run_id,
+                    rows.dump_list(rows.MESSAGES, own_messages),
+                )
             await con.execute("delete_run_progress", run_id)
             await con.execute("delete_run_suspension", run_id)
             await con.execute("close_pending_checkpoints", run_id, "rejected", error or kind.value)
-            event = RunEvent(
-                kind=kind, run_id=run_id, revision=revision, scope=scope, output=output, error=error
-            )
+            event = RunEvent(kind=kind, run_id=run_id, revision=revision, scope=scope, output=output, error=error)
             await _event(con, scope, run_id, kind.value, revision, {"output": output, "error": error})
             await outbox.write(con, outbox.run_event(event, correlation_id))
         return event
@@ -323,9 +329,7 @@ class RunStore:
         ]
 
 
-async def _event(
-    con: Conn, scope: Scope, run_id: str, kind: str, revision: int, data: dict[str, object]
-) -> None:
+async def _event(con: Conn, scope: Scope, run_id: str, kind: str, revision: int, data: dict[str, object]) -> None:
     await con.execute(
         "insert_run_event", uuid.uuid4(), run_id, scope.app, scope.tenant, kind, revision, json.dumps(data)
     )

@@ -49,9 +49,7 @@ class SuspensionStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def create_suspension(
-        self, scope: Scope, s: Suspension, *, ttl_seconds: float | None = None
-    ) -> Suspension:
+    async def create_suspension(self, scope: Scope, s: Suspension, *, ttl_seconds: float | None = None) -> Suspension:
         """Write a new pause for a run at ``scope``. The stored scope is the caller's, whatever ``s`` says.
 
         With ``ttl_seconds`` the deadline is the database clock plus it; otherwise ``s.expires_at``.
@@ -136,7 +134,7 @@ class SuspensionStore:
         async with self.db.transaction() as con:
             row = await con.fetchrow("claim_suspension", run_id, scope.app, scope.tenant, None)
             if row is None:
-                await self._refuse(con, scope, run_id, None)
+                await refuse_claim(con, scope, run_id, None)
         assert row is not None
         return _claimed(row)
 
@@ -159,7 +157,7 @@ class SuspensionStore:
         it. Failed or ambiguous commits return no suspension."""
         require_scope(scope)
         async with self.db.transaction() as con:
-            return await self._claim_pinned(con, scope, version, None, None)
+            return await claim_pinned_in(con, scope, version, None, None)
 
     async def claim_suspension_leased(self, scope: Scope, claim: LeasedClaim) -> Suspension:
         """The pinned claim plus the run's lease and its first progress snapshot, in one transaction, so no
@@ -167,61 +165,63 @@ class SuspensionStore:
         require_scope(scope)
         check_leased_claim(claim)
         async with self.db.transaction() as con:
-            return await self._claim_pinned(con, scope, claim.version, claim, claim.expired_by)
+            return await claim_pinned_in(con, scope, claim.version, claim, claim.expired_by)
 
-    async def _claim_pinned(
-        self,
-        con: Conn,
-        scope: Scope,
-        version: ClaimVersion,
-        claim: LeasedClaim | None,
-        expired_by: datetime | None,
-    ) -> Suspension:
-        first = claim.first if claim is not None else None
-        first_cols = rows.progress_columns(first) if first is not None else (None, None, None, None)
-        row = await con.fetchrow(
-            "claim_suspension_leased",
-            version.run_id,
-            scope.app,
-            scope.tenant,
-            version.suspension_id,
-            version.run_revision,
-            claim.lease.owner if claim is not None else None,
-            claim.lease.ttl_seconds if claim is not None else None,
-            expired_by,
-            *first_cols,
+
+async def claim_pinned_in(
+    con: Conn,
+    scope: Scope,
+    version: ClaimVersion,
+    claim: LeasedClaim | None,
+    expired_by: datetime | None,
+) -> Suspension:
+    """The pinned claim inside a transaction the caller holds, so a command can add its own writes
+    (a checkpoint decision, an inbox row, an outbox event) to the claiming transaction."""
+    first = claim.first if claim is not None else None
+    first_cols = rows.progress_columns(first) if first is not None else (None, None, None, None, None)
+    row = await con.fetchrow(
+        "claim_suspension_leased",
+        version.run_id,
+        scope.app,
+        scope.tenant,
+        version.suspension_id,
+        version.run_revision,
+        claim.lease.owner if claim is not None else None,
+        claim.lease.ttl_seconds if claim is not None else None,
+        expired_by,
+        *first_cols,
+    )
+    if row is None:
+        await refuse_claim(con, scope, version.run_id, version, expired_by)
+    assert row is not None
+    return _claimed(row)
+
+
+async def refuse_claim(
+    con: Conn,
+    scope: Scope,
+    run_id: str,
+    version: ClaimVersion | None,
+    expired_by: datetime | None = None,
+) -> None:
+    """Say why a claim matched nothing. Only the failure path pays for this read."""
+    state = await con.fetchrow("classify_claim_failure", run_id, scope.app, scope.tenant)
+    if state is None or state["suspension_id"] is None or state["state"] != RunState.PAUSED.value:
+        raise NotSuspended(f"run {run_id} has no live pause at scope {scope}")
+    if version is not None and (
+        state["suspension_id"] != version.suspension_id or state["revision"] != version.run_revision
+    ):
+        raise RunConflict(
+            f"run {run_id} is paused on suspension {state['suspension_id']} at revision "
+            f"{state['revision']}, not {version.suspension_id} at {version.run_revision}"
         )
-        if row is None:
-            await self._refuse(con, scope, version.run_id, version, expired_by)
-        assert row is not None
-        return _claimed(row)
-
-    async def _refuse(
-        self,
-        con: Conn,
-        scope: Scope,
-        run_id: str,
-        version: ClaimVersion | None,
-        expired_by: datetime | None = None,
-    ) -> None:
-        """Say why a claim matched nothing. Only the failure path pays for this read."""
-        state = await con.fetchrow("classify_claim_failure", run_id, scope.app, scope.tenant)
-        if state is None or state["suspension_id"] is None or state["state"] != RunState.PAUSED.value:
-            raise NotSuspended(f"run {run_id} has no live pause at scope {scope}")
-        if version is not None and (
-            state["suspension_id"] != version.suspension_id or state["revision"] != version.run_revision
-        ):
-            raise RunConflict(
-                f"run {run_id} is paused on suspension {state['suspension_id']} at revision "
-                f"{state['revision']}, not {version.suspension_id} at {version.run_revision}"
-            )
-        if expired_by is None and state["expired"]:
-            raise SuspensionExpired(f"the pause of run {run_id} expired at {state['expires_at'].isoformat()}")
-        if expired_by is not None:
-            raise NotSuspended(f"the pause of run {run_id} had not expired by {expired_by.isoformat()}")
-        # Paused on the pinned pause and not expired, yet unmatched: the state moved between the claim and
-        # this read. Somebody else won.
-        raise NotSuspended(f"run {run_id} was claimed by another caller")
+    if expired_by is None and state["expired"]:
+        raise SuspensionExpired(f"the pause of run {run_id} expired at {state['expires_at'].isoformat()}")
+    if expired_by is not None:
+        raise NotSuspended(f"the pause of run {run_id} had not expired by {expired_by.isoformat()}")
+    # Paused on the pinned pause and not expired, yet unmatched: the state moved between the claim and
+    # this read. Somebody else won.
+    raise NotSuspended(f"run {run_id} was claimed by another caller")
 
 
 def check_leased_claim(claim: LeasedClaim) -> None:

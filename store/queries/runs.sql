@@ -86,7 +86,7 @@ UPDATE runs
        output = $6, error = $7, updated_at = now(), ended_at = now()
  WHERE id = $1 AND app = $2 AND tenant = $3 AND state = 'running'
    AND $4::text <> '' AND lease_owner = $4 AND lease_expires_at > now()
-RETURNING revision;
+RETURNING revision, session_id;
 
 -- delete_run_suspension --
 -- Remove whatever pause a run holds (the old one, before a new pause or an end). $1 run_id

@@ -50,6 +50,7 @@ WITH claimed AS (
     UPDATE runs r
        SET state = 'running', revision = r.revision + 1, updated_at = now()
      WHERE r.id = $1 AND r.app = $2 AND r.tenant = $3 AND r.state = 'paused'
+       AND r.revision = (SELECT r0.revision FROM runs r0 WHERE r0.id = $1 AND r0.app = $2 AND r0.tenant = $3)
        AND EXISTS (
            SELECT 1 FROM suspensions s
             WHERE s.run_id = r.id AND s.app = r.app AND s.tenant = r.tenant
@@ -76,7 +77,7 @@ SELECT c.id AS r_id, c.app AS r_app, c.tenant AS r_tenant, c.agent_id AS r_agent
 -- the database clock) and, when $9 is set, the first progress snapshot.
 -- $1 run_id, $2 app, $3 tenant, $4 suspension_id, $5 run_revision, $6 lease owner (NULL: no lease),
 -- $7 lease ttl seconds, $8 expired_by (NULL: only an unexpired pause), $9 first continuation (NULL: no
--- snapshot), $10 first started, $11 first done, $12 first ending
+-- snapshot), $10 first started, $11 first done, $12 first ending, $13 first approved
 WITH claimed AS (
     UPDATE runs r
        SET state = 'running', revision = r.revision + 1, updated_at = now(),
@@ -93,14 +94,15 @@ WITH claimed AS (
                   END)
     RETURNING r.*
 ), first AS (
-    INSERT INTO progress AS p (run_id, app, tenant, owner, continuation, started, done, ending, updated_at)
-    SELECT c.id, c.app, c.tenant, $6::text, $9::jsonb, $10::jsonb, $11::jsonb, $12::jsonb, now()
+    INSERT INTO progress AS p (run_id, app, tenant, owner, continuation, started, done, ending, approved,
+                               updated_at)
+    SELECT c.id, c.app, c.tenant, $6::text, $9::jsonb, $10::jsonb, $11::jsonb, $12::jsonb, $13::jsonb, now()
       FROM claimed c
      WHERE $9::jsonb IS NOT NULL
     ON CONFLICT (run_id) DO UPDATE
        SET app = excluded.app, tenant = excluded.tenant, owner = excluded.owner,
            continuation = excluded.continuation, started = excluded.started, done = excluded.done,
-           ending = excluded.ending, updated_at = excluded.updated_at
+           ending = excluded.ending, approved = excluded.approved, updated_at = excluded.updated_at
     RETURNING p.updated_at
 )
 SELECT c.id AS r_id, c.app AS r_app, c.tenant AS r_tenant, c.agent_id AS r_agent_id, c.state AS r_state,

@@ -1,0 +1,328 @@
+"""The agent loop: the default executor.
+
+Each step asks the model for the next assistant turn and dispatches its tool calls, saving progress at
+every boundary so that a worker that takes the run over repeats nothing it must not:
+
+- the assistant turn is saved before any of its calls is dispatched, so a takeover never asks the model
+  for that step again;
+- a call that is NOT retry-safe is written to ``started`` BEFORE it is handed to its handler, and its result
+  to ``done`` after; a takeover never dispatches a ``started`` call again (the model is told its outcome is
+  unknown) and reuses every result in ``done``;
+- a turn whose calls need outside answers pauses the run (one transaction: suspension, checkpoint, paused,
+  progress removed, Notice in the outbox).
+
+A suspension has ONE reason, because the reason decides who may answer. When one turn asks for answers of
+different kinds, the loop pauses for the first call's kind (all calls of that kind pending together); the
+others stay open and are dispatched when the run resumes, which pauses it again for them. An agent-reply
+pause holds ONE question, since each reply resumes the run.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet import faults
+from fleet.executor import RunContext
+from fleet.model import ModelClient, ModelRequest, ScriptedModel, ToolSpec
+from fleet.tools import Tool, ToolEnv, ToolFailed, ToolKind, ToolRegistry, demo_tools
+from schemas.config import ExecutionProvenance
+from schemas.errors import InvalidContinuation, MaxStepsReached
+from schemas.llm import Message, Role, ToolCall, ToolOutcome
+from schemas.names import RunEventKind
+from schemas.suspension import (
+    Continuation,
+    Ending,
+    EndingKind,
+    PendingCall,
+    Progress,
+    ProgressResult,
+    SuspendReason,
+)
+from store.runs import Pause
+
+SYSTEM_PROMPT = "You are the Intermission demo agent. Use the tools you are given; answer briefly."
+
+OUTCOME_UNKNOWN = (
+    "outcome unknown: this call was handed to its handler, and the worker running it stopped before its "
+    "result was saved; it was not run again"
+)
+
+_PAUSE_REASONS = {
+    ToolKind.EXTERNAL: SuspendReason.EXTERNAL_TOOL,
+    ToolKind.APPROVAL: SuspendReason.APPROVAL,
+    ToolKind.AGENT: SuspendReason.AGENT_REPLY,
+}
+
+
+@dataclass
+class _Step:
+    """The run's working state between two saves."""
+
+    cont: Continuation
+    started: list[PendingCall] = field(default_factory=list)
+    done: list[ProgressResult] = field(default_factory=list)
+    approved: list[str] = field(default_factory=list)
+
+    def snapshot(self, owner: str, run_id: str) -> Progress:
+        return Progress(
+            run_id=run_id,
+            owner=owner,
+            continuation=self.cont,
+            started=list(self.started),
+            done=list(self.done),
+            approved=list(self.approved),
+        )
+
+
+class _Stop(Exception):
+    """The run left this worker (paused or ended); the loop returns."""
+
+
+def _arguments(call: ToolCall) -> dict[str, Any]:
+    try:
+        parsed = json.loads(call.arguments or "{}")
+    except json.JSONDecodeError as exc:
+        raise ToolFailed("arguments are not valid JSON") from exc
+    if not isinstance(parsed, dict):
+        raise ToolFailed("arguments are not a JSON object")
+    return parsed
+
+
+def _open_turn(messages: list[Message]) -> tuple[Message, list[ToolCall]] | None:
+    """The last assistant turn and those of its calls that have no tool message yet."""
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if message.role is Role.ASSISTANT:
+            answered = {m.tool_call_id for m in messages[index + 1 :] if m.role is Role.TOOL}
+            open_calls = [c for c in message.tool_calls if c.id not in answered]
+            return (message, open_calls) if open_calls else None
+    return None
+
+
+class AgentLoop:
+    def __init__(self, model: ModelClient, tools: ToolRegistry, *, system_prompt: str = SYSTEM_PROMPT) -> None:
+        self.model = model
+        self.tools = tools
+        self.system_prompt = system_prompt
+
+    async def execute(self, ctx: RunContext) -> None:
+        try:
+            await self._execute(ctx)
+        except _Stop:
+            return
+
+    async def _execute(self, ctx: RunContext) -> None:
+        progress = ctx.progress
+        if progress.ending is not None:
+            await self._finish_ending(ctx, progress.ending)
+            return
+        if not progress.continuation.messages:
+            step = await self._begin(ctx)
+        else:
+            step = _Step(
+                cont=progress.continuation,
+                started=list(progress.started),
+                done=list(progress.done),
+                approved=list(progress.approved),
+            )
+            if step.cont.config.max_steps <= 0:
+                await self._fail(ctx, step, f"{InvalidContinuation.code}: max_steps is {step.cont.config.max_steps}")
+        await self._complete_open_turn(ctx, step)
+        while True:
+            await self._take_step(ctx, step)
+
+    async def _begin(self, ctx: RunContext) -> _Step:
+        """A fresh run: load its session's history, add its input, save the first boundary."""
+        base = ctx.progress.continuation
+        session_id = base.session_id or ctx.run.session_id or ctx.run.id
+        history = await ctx.load_history(session_id)
+        cont = base.model_copy(
+            update={
+                "messages": [*history, Message(role=Role.USER, content=ctx.run.input)],
+                # Everything before this index is history: a run saves only what comes after it.
+                "new_messages_from": len(history),
+                "system_prompt": self.system_prompt,
+                "session_id": session_id,
+                "provenance": ExecutionProvenance(
+                    agent_id=ctx.run.agent_id, executor="agent_loop", model=base.config.model, worker=ctx.owner
+                ),
+            }
+        )
+        step = _Step(cont=cont)
+        await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
+        await ctx.boundary()
+        return step
+
+    async def _take_step(self, ctx: RunContext, step: _Step) -> None:
+        config = step.cont.config
+        if step.cont.step_index >= config.max_steps:
+            await self._fail(ctx, step, f"{MaxStepsReached.code}: the run used all {config.max_steps} steps")
+        budget = config.budget.max_total_tokens
+        if budget and step.cont.usage.total_tokens >= budget:
+            await self._fail(ctx, step, f"budget_exhausted: {step.cont.usage.total_tokens} of {budget} tokens used")
+        turn = await self.model.next_turn(
+            ModelRequest(
+                run=ctx.run,
+                system_prompt=step.cont.system_prompt,
+                messages=step.cont.messages,
+                tools=[ToolSpec(t.name, t.description) for t in self.tools.all() if config.allows_tool(t.name)],
+                config=config,
+                step_index=step.cont.step_index,
+            )
+        )
+        usage = step.cont.usage.plus(turn.usage)
+        assistant = Message(role=Role.ASSISTANT, content=turn.content, tool_calls=turn.tool_calls)
+        step.cont = step.cont.model_copy(
+            update={
+                "messages": [*step.cont.messages, assistant],
+                "step_index": step.cont.step_index + 1,
+                "usage": usage,
+                "tokens_used": usage.total_tokens,
+            }
+        )
+        if not turn.tool_calls:
+            await ctx.complete(turn.content, self._own(step.cont))
+            raise _Stop
+        # The turn is durable before any call is dispatched: a takeover never asks for this step again.
+        step.started, step.done, step.approved = [], [], []
+        await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
+        await self._complete_open_turn(ctx, step)
+
+    async def _complete_open_turn(self, ctx: RunContext, step: _Step) -> None:
+        """Dispatch every open call of the last assistant turn, reusing what is known; then either pause
+        for the calls that need outside answers or record the step's boundary."""
+        opened = _open_turn(step.cont.messages)
+        if opened is None:
+            return
+        _, open_calls = opened
+        denied = next((r for r in step.done if r.outcome is ToolOutcome.DENIED), None)
+        if denied is not None:
+            # The decider's reason is the run's error.
+            await self._fail(ctx, step, denied.error or "denied")
+        known = {r.call_id for r in step.done}
+        started = {c.id for c in step.started}
+        waiting: list[tuple[ToolCall, Tool]] = []
+        for call in open_calls:
+            if call.id in known:
+                continue
+            if call.id in started:
+                # Handed to its handler by a worker that stopped before saving the result: never again.
+                step.started = [c for c in step.started if c.id != call.id]
+                await self._record(
+                    ctx, step, ProgressResult(call_id=call.id, error=OUTCOME_UNKNOWN, outcome=ToolOutcome.FAILED)
+                )
+                continue
+            tool = self.tools.get(call.name)
+            if tool is None or not step.cont.config.allows_tool(call.name):
+                failed = ProgressResult(
+                    call_id=call.id,
+                    error=f"tool {call.name!r} is not available to this run",
+                    outcome=ToolOutcome.FAILED,
+                )
+                await self._record(ctx, step, failed)
+                continue
+            if tool.kind is ToolKind.LOCAL or (tool.kind is ToolKind.APPROVAL and call.id in step.approved):
+                await self._dispatch(ctx, step, call, tool)
+                continue
+            waiting.append((call, tool))
+        if waiting:
+            await self._pause(ctx, step, open_calls, waiting)
+        self._close_turn(step, open_calls)
+        await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
+        faults.crash_point(faults.BETWEEN_STEPS)
+        await ctx.boundary()
+
+    async def _dispatch(self, ctx: RunContext, step: _Step, call: ToolCall, tool: Tool) -> None:
+        env = ToolEnv(run_id=ctx.run.id, call_id=call.id, scope=ctx.scope, db=ctx.stores.db)
+        if not tool.retry_safe:
+            # Written BEFORE the handler gets it: if this worker dies from here on, nobody calls it again.
+            step.started.append(PendingCall(id=call.id, name=call.name, arguments=call.arguments))
+            await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
+        try:
+            content = await tool.run(_arguments(call), env)
+            result = ProgressResult(call_id=call.id, content=content, outcome=ToolOutcome.COMPLETED)
+        except ToolFailed as exc:
+            result = ProgressResult(call_id=call.id, error=str(exc), outcome=ToolOutcome.FAILED)
+        if not tool.retry_safe:
+            faults.crash_point(faults.AFTER_STARTED)
+            step.started = [c for c in step.started if c.id != call.id]
+        await self._record(ctx, step, result)
+
+    async def _record(self, ctx: RunContext, step: _Step, result: ProgressResult) -> None:
+        step.done = [*step.done, result]
+        await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
+
+    async def _pause(
+        self, ctx: RunContext, step: _Step, open_calls: list[ToolCall], waiting: list[tuple[ToolCall, Tool]]
+    ) -> None:
+        reason = _PAUSE_REASONS[waiting[0][1].kind]
+        group = [(c, t) for c, t in waiting if _PAUSE_REASONS[t.kind] is reason]
+        if reason is SuspendReason.AGENT_REPLY:
+            group = group[:1]
+        pending: list[PendingCall] = []
+        approvers: list[str] = []
+        for call, tool in group:
+            try:
+                args = _arguments(call)
+            except ToolFailed:
+                args = {}
+            pending.append(
+                PendingCall(
+                    id=call.id,
+                    name=call.name,
+                    arguments=call.arguments,
+                    # A fresh token per question: a call id alone may be reused by a later model response.
+                    reply_with=f"rw-{uuid.uuid4().hex}" if reason is SuspendReason.AGENT_REPLY else "",
+                    note=tool.note(args),
+                )
+            )
+            approvers.extend(a for a in tool.approvers(args) if a not in approvers)
+        # Results already known for this turn travel in the pause as tool messages, so the resume needs
+        # only the answers for the pending calls.
+        answered = {r.call_id: r for r in step.done}
+        messages = list(step.cont.messages)
+        for call in open_calls:
+            if call.id in answered:
+                messages.append(_tool_message(call, answered[call.id]))
+        cont = step.cont.model_copy(update={"messages": messages})
+        await ctx.pause(Pause(reason=reason, pending=pending, continuation=cont, approvers=approvers))
+        faults.crash_point(faults.AFTER_PAUSE)
+        raise _Stop
+
+    def _close_turn(self, step: _Step, open_calls: list[ToolCall]) -> None:
+        """Every open call has a result: append them as tool messages in call order."""
+        results = {r.call_id: r for r in step.done}
+        messages = list(step.cont.messages)
+        messages.extend(_tool_message(call, results[call.id]) for call in open_calls)
+        step.cont = step.cont.model_copy(update={"messages": messages})
+        step.started, step.done, step.approved = [], [], []
+
+    async def _finish_ending(self, ctx: RunContext, ending: Ending) -> None:
+        """A claim was made to end this run: finish that end; never continue it."""
+        own = self._own(ctx.progress.continuation)
+        if ending.kind is EndingKind.CANCEL:
+            await ctx.end(RunEventKind.CANCELLED, error=ending.reason or "cancelled", own_messages=own)
+        else:
+            await ctx.end(RunEventKind.EXPIRED, error=ending.reason or "suspension_expired", own_messages=own)
+
+    async def _fail(self, ctx: RunContext, step: _Step, error: str) -> None:
+        await ctx.fail(error, self._own(step.cont))
+        raise _Stop
+
+    @staticmethod
+    def _own(cont: Continuation) -> list[Message]:
+        """The run's own messages: never the history it loaded."""
+        return cont.messages[cont.new_messages_from :]
+
+
+def _tool_message(call: ToolCall, result: ProgressResult) -> Message:
+    content = result.content if not result.error else f"error: {result.error}"
+    return Message(role=Role.TOOL, content=content, tool_call_id=call.id, name=call.name)
+
+
+def default_executor() -> AgentLoop:
+    """The demo agent: the agent loop over the scripted model and the demo tools."""
+    return AgentLoop(ScriptedModel(), demo_tools())

@@ -1,0 +1,149 @@
+"""The executor protocol and the run context handed to it.
+
+An executor continues ONE claimed run. Everything it may do to the run goes through its ``RunContext``:
+save progress, pause, complete, fail (and finish an ending). Each of those writes is checked against the
+run's lease by the database; once a write finds the lease gone (or the lease keeper does), the context is
+dead: every later write raises RunLeaseLost without touching the database, and the run's task is
+cancelled. A worker that lost a run writes nothing more for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol
+
+from schemas.errors import RunLeaseLost
+from schemas.events import RunEvent
+from schemas.llm import Message
+from schemas.names import RunEventKind
+from schemas.run import Lease, Run
+from schemas.scope import Scope
+from schemas.suspension import Continuation, Progress, ProgressResult
+from store import Stores
+from store.runs import Pause, Paused
+
+
+class StopAtBoundary(Exception):
+    """The worker is stopping: the executor reached a boundary and must return now. Its lease is released
+    and another worker continues from the snapshot it just saved."""
+
+
+class Executor(Protocol):
+    async def execute(self, ctx: RunContext) -> None: ...
+
+
+@dataclass
+class RunHandle:
+    """Fleet-side state of one running run, shared by its context and its lease keeper."""
+
+    lost: bool = False
+    ended: bool = False
+    paused: bool = False
+
+
+class RunContext:
+    def __init__(
+        self,
+        stores: Stores,
+        run: Run,
+        progress: Progress,
+        lease: Lease,
+        *,
+        correlation_id: str | None,
+        stopping: asyncio.Event,
+        handle: RunHandle | None = None,
+    ) -> None:
+        self.stores = stores
+        self.run = run
+        self.progress = progress
+        self.lease = lease
+        self.correlation_id = correlation_id
+        self._stopping = stopping
+        self.handle = handle or RunHandle()
+
+    @property
+    def scope(self) -> Scope:
+        # Every write after the claim uses the run's STORED scope, never the caller's.
+        return self.run.scope
+
+    @property
+    def continuation(self) -> Continuation:
+        return self.progress.continuation
+
+    @property
+    def answers(self) -> list[ProgressResult]:
+        """Results the claim brought for the pending calls, in pending order."""
+        return self.progress.done
+
+    @property
+    def owner(self) -> str:
+        return self.lease.owner
+
+    def _alive(self) -> None:
+        if self.handle.lost:
+            raise RunLeaseLost(f"{self.owner} lost run {self.run.id}")
+        if self.handle.ended or self.handle.paused:
+            raise RunLeaseLost(f"run {self.run.id} already left this worker")
+
+    async def save_progress(self, progress: Progress) -> Progress:
+        self._alive()
+        try:
+            saved = await self.stores.progress.save_progress(self.scope, progress)
+        except RunLeaseLost:
+            self.handle.lost = True
+            raise
+        self.progress = saved
+        return saved
+
+    async def boundary(self) -> None:
+        """Call after each durable boundary: a stopping worker stops here."""
+        if self._stopping.is_set():
+            raise StopAtBoundary
+
+    async def pause(self, pause: Pause) -> Paused:
+        self._alive()
+        try:
+            paused = await self.stores.runs.pause_run(
+                self.scope, self.run.id, self.owner, pause, correlation_id=self.correlation_id
+            )
+        except RunLeaseLost:
+            self.handle.lost = True
+            raise
+        self.handle.paused = True
+        return paused
+
+    async def end(
+        self,
+        kind: RunEventKind,
+        *,
+        output: str | None = None,
+        error: str | None = None,
+        own_messages: list[Message] | None = None,
+    ) -> RunEvent:
+        self._alive()
+        try:
+            event = await self.stores.runs.end_run(
+                self.scope,
+                self.run.id,
+                self.owner,
+                kind,
+                output=output,
+                error=error,
+                correlation_id=self.correlation_id,
+                own_messages=own_messages,
+            )
+        except RunLeaseLost:
+            self.handle.lost = True
+            raise
+        self.handle.ended = True
+        return event
+
+    async def complete(self, output: str, own_messages: list[Message] | None = None) -> RunEvent:
+        return await self.end(RunEventKind.COMPLETED, output=output, own_messages=own_messages)
+
+    async def fail(self, error: str, own_messages: list[Message] | None = None) -> RunEvent:
+        return await self.end(RunEventKind.FAILED, error=error, own_messages=own_messages)
+
+    async def load_history(self, session_id: str) -> list[Message]:
+        return await self.stores.sessions.load(self.scope, session_id)

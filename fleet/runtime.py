@@ -1,0 +1,213 @@
+"""The fleet inside one worker process: running claimed runs under their leases, and the reclaim sweep.
+
+A consumer (or the in-process control) claims a run in one transaction and calls ``submit``; from then
+on the run's safety rests on its lease, not on the broker. Each run gets a task and a lease keeper. The
+reclaim sweep takes over runs whose lease lapsed (their worker died) and continues them from their last
+snapshot.
+
+Stopping: ``stop()`` stops taking work, lets each run reach its next boundary (where it releases its
+lease, so another worker continues at once) for up to the grace period, then cancels what is left.
+``drain()`` returns when nothing is left to do, which is what tests and one-shot tools want.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fleet.executor import Executor, RunContext, RunHandle, StopAtBoundary
+from fleet.identity import incarnation
+from fleet.lease import LeaseKeeper
+from fleet.settings import Settings
+from schemas.errors import IntermissionError, RunLeaseLost, TransientError
+from schemas.run import Lease
+from schemas.suspension import Continuation, Progress
+from store import Stores
+from store.commands import Claimed
+
+log = logging.getLogger("intermission.fleet")
+
+
+class Fleet:
+    def __init__(self, stores: Stores, settings: Settings, executor: Executor, *, owner: str | None = None) -> None:
+        self.stores = stores
+        self.settings = settings
+        self.executor = executor
+        self.owner = owner or incarnation()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stopping = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._reclaimer: asyncio.Task[None] | None = None
+
+    # --- work in -----------------------------------------------------------------------------------
+
+    def lease(self) -> Lease:
+        """The lease this worker takes a run under; the database adds the ttl to its own clock."""
+        return Lease(owner=self.owner, ttl_seconds=self.settings.lease_seconds)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
+    def running(self) -> int:
+        return len(self._tasks)
+
+    def submit(self, claimed: Claimed) -> asyncio.Task[None]:
+        """Run a claimed run under this worker's lease until it pauses, ends, or leaves this worker."""
+        run_id = claimed.run.id
+        existing = self._tasks.get(run_id)
+        if existing is not None and not existing.done():
+            # Only one claim can hold the run; a second submit of it is a bug upstream, not a second run.
+            raise RuntimeError(f"run {run_id} is already running in this worker")
+        task = asyncio.create_task(self._run(claimed), name=f"run:{run_id}")
+        self._tasks[run_id] = task
+        self._idle.clear()
+        task.add_done_callback(lambda t: self._forget(run_id, t))
+        return task
+
+    def _forget(self, run_id: str, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(run_id) is task:
+            del self._tasks[run_id]
+        if not self._tasks:
+            self._idle.set()
+
+    async def _run(self, claimed: Claimed) -> None:
+        handle = RunHandle()
+        lease = Lease(owner=claimed.run.lease_owner or self.owner, ttl_seconds=self.settings.lease_seconds)
+        ctx = RunContext(
+            self.stores,
+            claimed.run,
+            claimed.progress,
+            lease,
+            correlation_id=claimed.correlation_id,
+            stopping=self._stopping,
+            handle=handle,
+        )
+        me = asyncio.current_task()
+        assert me is not None
+
+        def lost() -> None:
+            handle.lost = True
+            me.cancel()
+
+        keeper = LeaseKeeper(
+            self.stores.runs,
+            claimed.run.scope,
+            claimed.run.id,
+            lease,
+            renew_every=self.settings.lease_renew_seconds,
+            on_lost=lost,
+        )
+        keeping = asyncio.create_task(keeper.keep(), name=f"lease:{claimed.run.id}")
+        extra = {"run_id": claimed.run.id, "scope": str(claimed.run.scope)}
+        try:
+            await self.executor.execute(ctx)
+            if not (handle.ended or handle.paused):
+                log.error("executor returned without ending or pausing the run", extra={"action": "run_left", **extra})
+                await self._release(ctx)
+        except StopAtBoundary:
+            log.info("stopped at a boundary; releasing the run", extra={"action": "run_released", **extra})
+            await self._release(ctx)
+        except RunLeaseLost:
+            handle.lost = True
+            log.warning("lease lost; writing nothing more", extra={"action": "run_lease_lost", **extra})
+        except asyncio.CancelledError:
+            if handle.lost:
+                me.uncancel()
+                log.warning("lease lost; run task cancelled", extra={"action": "run_lease_lost", **extra})
+                return
+            await asyncio.shield(self._release(ctx))
+            raise
+        except TransientError as exc:
+            # The database went away mid-run. The lease lapses on its own and a worker (this one or
+            # another) takes the run over from its last snapshot.
+            log.warning("run interrupted", extra={"action": "run_interrupted", "error": exc.code, **extra})
+        except Exception as exc:
+            log.exception("executor failed", extra={"action": "executor_error", **extra})
+            # A run whose executor crashes would crash every worker that reclaims it; end it instead.
+            with contextlib.suppress(IntermissionError):
+                await ctx.fail(f"executor_error: {type(exc).__name__}")
+        finally:
+            keeper.stop()
+            await keeping
+
+    async def _release(self, ctx: RunContext) -> None:
+        if ctx.handle.lost or ctx.handle.ended or ctx.handle.paused:
+            return
+        with contextlib.suppress(IntermissionError):
+            await self.stores.runs.release_lease(ctx.scope, ctx.run.id, ctx.owner)
+
+    # --- reclaim -----------------------------------------------------------------------------------
+
+    async def reclaim_once(self) -> int:
+        """Take over up to a batch of runs whose lease lapsed, and continue each from its snapshot."""
+        if self.stopping:
+            return 0
+        taken = await self.stores.runs.reclaim_lapsed(self.lease(), self.settings.reclaim_batch)
+        for reclaimed in taken:
+            run = reclaimed.run
+            progress = reclaimed.progress
+            if progress is None:
+                # Claimed without a snapshot (the seed's plain claim): continue from the pause if it is
+                # still there, else from the run's start.
+                cont = Continuation(config=run.config, session_id=run.session_id)
+                with contextlib.suppress(IntermissionError):
+                    cont = (await self.stores.suspensions.get_suspension(run.scope, run.id)).continuation
+                progress = Progress(run_id=run.id, scope=run.scope, owner=self.owner, continuation=cont)
+            log.info("reclaimed a run", extra={"action": "run_reclaimed", "run_id": run.id, "scope": str(run.scope)})
+            self.submit(Claimed(run=run, progress=progress, suspension=None, correlation_id=None))
+        return len(taken)
+
+    async def _reclaim_forever(self) -> None:
+        while not self.stopping:
+            try:
+                await self.reclaim_once()
+            except TransientError as exc:
+                log.warning("reclaim sweep failed; retrying", extra={"action": "reclaim_retry", "error": exc.code})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.settings.reclaim_interval_seconds)
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._reclaimer is None:
+            self._reclaimer = asyncio.create_task(self._reclaim_forever(), name="reclaim-sweep")
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    async def drain(self, *, wait_for_lapsed: bool = False) -> None:
+        """Return when this worker has nothing left to do: no run in flight, nothing to reclaim and, with
+        ``wait_for_lapsed``, no run anywhere still running under someone else's lease (its lease will
+        lapse and this worker will take it over). Bound it with ``asyncio.timeout``."""
+        while True:
+            await self.wait_idle()
+            if await self.reclaim_once():
+                continue
+            if wait_for_lapsed and (await self.stores.operations.count_running()).running:
+                # Another worker's lease has yet to lapse: look again at the reclaim cadence.
+                await asyncio.sleep(min(self.settings.reclaim_interval_seconds, 0.2))
+                continue
+            if self._idle.is_set():
+                return
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop taking work, let runs stop at their next boundary within ``grace``, cancel the rest."""
+        self._stopping.set()
+        if self._reclaimer is not None:
+            self._reclaimer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reclaimer
+            self._reclaimer = None
+        pending = list(self._tasks.values())
+        if not pending:
+            return
+        wait = self.settings.shutdown_grace_seconds if grace is None else grace
+        _, late = await asyncio.wait(pending, timeout=wait)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.gather(*late, return_exceptions=True)

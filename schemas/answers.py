@@ -1,0 +1,127 @@
+"""Who may answer a pause, whether the answers fit it, and the first snapshot a claim writes.
+
+These are pure functions: a consumer runs them before it claims (a refusal there moves nothing), and the
+snapshot they build is written in the claiming transaction, so it already carries every answer the claim
+was made with. A worker that dies right after the claim leaves a lapsed lease and that snapshot; the
+worker that takes over needs nothing else.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from schemas.commands import Decision, ToolAnswer
+from schemas.errors import (
+    Forbidden,
+    InvalidState,
+    NotAgentReplyResumable,
+    RequiresApproval,
+    ResultsMismatch,
+)
+from schemas.llm import ToolOutcome
+from schemas.suspension import Ending, PendingCall, Progress, ProgressResult, SuspendReason, Suspension
+
+
+class Source(StrEnum):
+    """Who is answering a pause."""
+
+    HOST = "host"  # run.resume
+    DECISION = "decision"  # run.decide
+    BUS = "bus"  # run.reply, with the broker-validated bus user_id
+
+
+def check_authority(source: Source, suspension: Suspension) -> None:
+    """Authority comes from the STORED reason, never from the caller's claim about it.
+
+    An approval pause is answered only by a decision; an agent-reply pause only by the bus (anyone else
+    would be forging a message the peer never sent); an external-tool pause by its host.
+    """
+    reason = suspension.reason
+    if reason is SuspendReason.APPROVAL:
+        if source is not Source.DECISION:
+            raise RequiresApproval(f"run {suspension.run_id} waits on an approval decision")
+        return
+    if source is Source.DECISION:
+        raise InvalidState(f"run {suspension.run_id} is not waiting on an approval")
+    if reason is SuspendReason.AGENT_REPLY and source is not Source.BUS:
+        raise NotAgentReplyResumable(f"run {suspension.run_id} waits on another agent's reply")
+
+
+def check_approver(suspension: Suspension, principal: str | None) -> None:
+    """Where the pause names approvers, only one of them may decide."""
+    if suspension.approvers and principal not in suspension.approvers:
+        raise Forbidden(f"{principal or 'an unidentified sender'} may not decide this approval")
+
+
+def validate_results(pending: list[PendingCall], results: list[ToolAnswer]) -> list[ToolAnswer]:
+    """Results must map one to one onto the pending calls; returns them in PENDING order.
+
+    An extra, a duplicate or a missing id is ResultsMismatch naming the call.
+    """
+    wanted = {call.id for call in pending}
+    by_id: dict[str, ToolAnswer] = {}
+    for answer in results:
+        if answer.call_id not in wanted:
+            raise ResultsMismatch(f"result for call {answer.call_id!r}, which is not pending")
+        if answer.call_id in by_id:
+            raise ResultsMismatch(f"two results for call {answer.call_id!r}")
+        by_id[answer.call_id] = answer
+    for call in pending:
+        if call.id not in by_id:
+            raise ResultsMismatch(f"no result for pending call {call.id!r}")
+    return [by_id[call.id] for call in pending]
+
+
+def results_progress(suspension: Suspension, results: list[ToolAnswer], owner: str) -> Progress:
+    ordered = validate_results(suspension.pending, results)
+    return Progress(
+        run_id=suspension.run_id,
+        owner=owner,
+        continuation=suspension.continuation,
+        done=[
+            ProgressResult(
+                call_id=a.call_id,
+                content=a.content,
+                error=a.error or "",
+                outcome=ToolOutcome.FAILED if a.error else ToolOutcome.COMPLETED,
+            )
+            for a in ordered
+        ],
+    )
+
+
+def reply_progress(suspension: Suspension, reply_with: str, content: str, owner: str) -> Progress:
+    """The bus's reply answers the pending call its ``reply_with`` names. The call id alone is not
+    enough: a later model response may reuse it, while ``reply_with`` is fresh per question."""
+    matching = [call for call in suspension.pending if call.reply_with and call.reply_with == reply_with]
+    if len(matching) != 1 or len(suspension.pending) != 1:
+        raise ResultsMismatch(f"reply_with {reply_with!r} does not name this pause's question")
+    return Progress(
+        run_id=suspension.run_id,
+        owner=owner,
+        continuation=suspension.continuation,
+        done=[ProgressResult(call_id=matching[0].id, content=content, outcome=ToolOutcome.COMPLETED)],
+    )
+
+
+def decision_progress(suspension: Suspension, decision: Decision, reason: str, owner: str) -> Progress:
+    """Approve: every pending call runs through the approval path. Deny: every pending call is denied,
+    and the worker fails the run with the decider's reason."""
+    if decision is Decision.APPROVE:
+        return Progress(
+            run_id=suspension.run_id,
+            owner=owner,
+            continuation=suspension.continuation,
+            approved=[call.id for call in suspension.pending],
+        )
+    why = reason or "denied"
+    return Progress(
+        run_id=suspension.run_id,
+        owner=owner,
+        continuation=suspension.continuation,
+        done=[ProgressResult(call_id=call.id, error=why, outcome=ToolOutcome.DENIED) for call in suspension.pending],
+    )
+
+
+def ending_progress(suspension: Suspension, ending: Ending, owner: str) -> Progress:
+    return Progress(run_id=suspension.run_id, owner=owner, continuation=suspension.continuation, ending=ending)

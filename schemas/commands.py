@@ -1,0 +1,88 @@
+"""Command bodies (DESIGN.md section 5). Unknown fields are refused: a command is a trust boundary."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import AwareDatetime, Field
+
+from schemas.base import StrictModel
+from schemas.config import RunConfig
+from schemas.ids import AgentId, CheckpointId, RunId
+from schemas.scope import Scope
+from schemas.script import ScriptTurn
+from schemas.suspension import ClaimVersion
+
+
+class StartCommand(StrictModel):
+    """``run.start``: the caller picks ``run_id``, so a repeated start is a no-op."""
+
+    scope: Scope
+    run_id: RunId
+    agent_id: AgentId
+    input: str = ""
+    # Absent fields take the settings' defaults.
+    config: RunConfig = Field(default_factory=RunConfig)
+    # Feeds the scripted model.
+    script: list[ScriptTurn] | None = None
+    # None takes the settings' default; 0 means the run's pauses never expire.
+    pause_ttl_seconds: int | None = Field(default=None, ge=0)
+    # The session the run loads history from and saves into; defaults to the run id (a session of its own).
+    session_id: str | None = Field(default=None, min_length=1, max_length=128)
+
+
+class ToolAnswer(StrictModel):
+    """One result for one pending call."""
+
+    call_id: str = Field(min_length=1)
+    content: str = ""
+    error: str | None = None
+
+
+class ResumeCommand(StrictModel):
+    """``run.resume``: a host answers an ``external_tool`` pause."""
+
+    scope: Scope
+    version: ClaimVersion
+    results: list[ToolAnswer]
+
+
+class Decision(StrEnum):
+    APPROVE = "approve"
+    DENY = "deny"
+
+
+class DecideCommand(StrictModel):
+    """``run.decide``: a person's decision on an ``approval`` pause."""
+
+    scope: Scope
+    version: ClaimVersion
+    checkpoint_id: CheckpointId
+    decision: Decision
+    reason: str = ""
+
+
+class ReplyCommand(StrictModel):
+    """``run.reply``: the messaging bus answers an ``agent_reply`` pause. ``input`` is the agent's encoded
+    reply, stored and returned byte for byte."""
+
+    scope: Scope
+    version: ClaimVersion
+    reply_with: str = Field(min_length=1)
+    input: str
+
+
+class ExpireCommand(StrictModel):
+    """``run.expire``: the sweeper found the pause past its deadline."""
+
+    scope: Scope
+    version: ClaimVersion
+    expired_by: AwareDatetime
+
+
+class CancelCommand(StrictModel):
+    """``run.cancel``: end a paused run as cancelled."""
+
+    scope: Scope
+    run_id: RunId
+    reason: str = ""

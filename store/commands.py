@@ -1,0 +1,206 @@
+"""Each command's effect as ONE transaction: validate against the stored pause, claim it with the
+worker's lease and the first progress snapshot, and write the outbox event.
+
+Consumers (RabbitMQ) and the in-process control (tests, the demo) both apply commands through these
+functions, so there is one implementation of every effect. Validation that needs the stored pause (its
+reason, its pending calls, its approvers) reads it inside the same transaction, and the claim is pinned to
+the version the command names, so what was validated is exactly what is claimed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from schemas.answers import (
+    Source,
+    check_approver,
+    check_authority,
+    decision_progress,
+    ending_progress,
+    results_progress,
+)
+from schemas.commands import CancelCommand, DecideCommand, Decision, ExpireCommand, ResumeCommand, StartCommand
+from schemas.errors import InvalidState, NotSuspended, RunConflict
+from schemas.events import RunEvent
+from schemas.names import RunEventKind
+from schemas.run import Lease, NewRun, Run, RunState
+from schemas.scope import Scope, require_scope
+from schemas.suspension import ClaimVersion, Continuation, Ending, EndingKind, LeasedClaim, Progress, Suspension
+from store import outbox, rows
+from store.db import Conn, Database
+from store.runs import RunStore
+from store.suspensions import check_leased_claim, claim_pinned_in
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A run a command claimed for this worker: hand it to the fleet."""
+
+    run: Run
+    progress: Progress
+    suspension: Suspension | None
+    correlation_id: str | None
+
+
+async def _stored_pause(con: Conn, scope: Scope, version: ClaimVersion) -> Suspension:
+    row = await con.fetchrow("get_suspension", version.run_id, scope.app, scope.tenant)
+    if row is None:
+        raise NotSuspended(f"no live pause for run {version.run_id} at scope {scope}")
+    suspension = rows.suspension_from_row(row)
+    if suspension.id != version.suspension_id:
+        raise RunConflict(f"run {version.run_id} is paused on suspension {suspension.id}, not {version.suspension_id}")
+    return suspension
+
+
+async def _claim(
+    con: Conn,
+    scope: Scope,
+    version: ClaimVersion,
+    lease: Lease,
+    first: Progress,
+    correlation_id: str | None,
+    *,
+    expired_by: datetime | None = None,
+    announce: bool = True,
+) -> Claimed:
+    claim = LeasedClaim(version=version, lease=lease, first=first, expired_by=expired_by)
+    check_leased_claim(claim)
+    suspension = await claim_pinned_in(con, scope, version, claim, claim.expired_by)
+    run = suspension.claimed_run
+    assert run is not None
+    # The pause is answered: its row goes with the claim, so a running run holds no stale pause for the
+    # sweeper to find, and a run that pauses again holds exactly one, the new one.
+    await con.execute("delete_run_suspension", run.id)
+    if announce:
+        event = RunEvent(kind=RunEventKind.RESUMED, run_id=run.id, revision=run.revision, scope=scope)
+        await outbox.write(con, outbox.run_event(event, correlation_id))
+    progress = first.model_copy(update={"scope": scope})
+    return Claimed(run=run, progress=progress, suspension=suspension, correlation_id=correlation_id)
+
+
+class CommandStore:
+    """Command effects over one pool."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def resume(self, cmd: ResumeCommand, lease: Lease, *, correlation_id: str | None = None) -> Claimed:
+        """A host's results for an ``external_tool`` pause."""
+        scope = require_scope(cmd.scope)
+        async with self.db.transaction() as con:
+            suspension = await _stored_pause(con, scope, cmd.version)
+            check_authority(Source.HOST, suspension)
+            first = results_progress(suspension, cmd.results, lease.owner)
+            return await _claim(con, scope, cmd.version, lease, first, correlation_id)
+
+    async def decide(
+        self, cmd: DecideCommand, lease: Lease, *, principal: str | None, correlation_id: str | None = None
+    ) -> Claimed:
+        """An approval decision. ``principal`` is the broker-validated sender, never the body's word."""
+        scope = require_scope(cmd.scope)
+        async with self.db.transaction() as con:
+            suspension = await _stored_pause(con, scope, cmd.version)
+            check_authority(Source.DECISION, suspension)
+            if suspension.checkpoint_id != cmd.checkpoint_id:
+                raise RunConflict(f"run {suspension.run_id} waits on checkpoint {suspension.checkpoint_id}")
+            check_approver(suspension, principal)
+            first = decision_progress(suspension, cmd.decision, cmd.reason, lease.owner)
+            claimed = await _claim(con, scope, cmd.version, lease, first, correlation_id)
+            state = "approved" if cmd.decision is Decision.APPROVE else "denied"
+            decided = await con.fetchval(
+                "decide_checkpoint", cmd.checkpoint_id, suspension.run_id, state, principal, cmd.reason
+            )
+            if decided is None:
+                raise InvalidState(f"checkpoint {cmd.checkpoint_id} is not pending")
+            return claimed
+
+    async def expire(self, cmd: ExpireCommand, lease: Lease, *, correlation_id: str | None = None) -> Claimed:
+        """Claim a pause past its deadline (judged against ``expired_by`` AND the database clock) with
+        ``ending = expire``; the worker fails the run with a reason naming the deadline."""
+        scope = require_scope(cmd.scope)
+        async with self.db.transaction() as con:
+            suspension = await _stored_pause(con, scope, cmd.version)
+            deadline = suspension.expires_at.isoformat() if suspension.expires_at else "no deadline"
+            ending = Ending(
+                kind=EndingKind.EXPIRE,
+                reason=f"suspension_expired: the {suspension.reason.value} "
+                f"pause passed its deadline {deadline} unanswered",
+            )
+            first = ending_progress(suspension, ending, lease.owner)
+            return await _claim(
+                con,
+                scope,
+                cmd.version,
+                lease,
+                first,
+                correlation_id,
+                expired_by=cmd.expired_by,
+                announce=False,
+            )
+
+    async def cancel(self, cmd: CancelCommand, lease: Lease, *, correlation_id: str | None = None) -> Claimed:
+        """Claim a paused run with ``ending = cancel``; a run that already ended is InvalidState."""
+        scope = require_scope(cmd.scope)
+        async with self.db.transaction() as con:
+            state = await con.fetchval("run_state", cmd.run_id, scope.app, scope.tenant)
+            if state is None:
+                raise NotSuspended(f"no run {cmd.run_id} at scope {scope}")
+            if RunState(state).is_terminal:
+                raise InvalidState(f"run {cmd.run_id} already ended {state}")
+            row = await con.fetchrow("get_suspension", cmd.run_id, scope.app, scope.tenant)
+            run_row = await con.fetchrow("get_run", cmd.run_id, scope.app, scope.tenant)
+            if row is None or run_row is None:
+                raise NotSuspended(f"run {cmd.run_id} is not paused")
+            suspension = rows.suspension_from_row(row)
+            version = ClaimVersion(run_id=cmd.run_id, suspension_id=suspension.id, run_revision=run_row["revision"])
+            first = ending_progress(suspension, Ending(kind=EndingKind.CANCEL, reason=cmd.reason), lease.owner)
+            return await _claim(con, scope, version, lease, first, correlation_id, announce=False)
+
+
+@dataclass(frozen=True)
+class RunDefaults:
+    """What a start takes from the settings when its command leaves it out."""
+
+    pause_ttl_seconds: int
+    max_steps: int
+
+
+def new_run(cmd: StartCommand, defaults: RunDefaults) -> NewRun:
+    """Resolve a start into the run to create: the config is flattened once, here, and stored; a resume
+    never re-merges it."""
+    config = cmd.config
+    if config.max_steps == 0:
+        config = config.model_copy(update={"max_steps": defaults.max_steps})
+    return NewRun(
+        run_id=cmd.run_id,
+        agent_id=cmd.agent_id,
+        input=cmd.input,
+        config=config,
+        script=cmd.script,
+        pause_ttl_seconds=defaults.pause_ttl_seconds if cmd.pause_ttl_seconds is None else cmd.pause_ttl_seconds,
+        session_id=cmd.session_id or cmd.run_id,
+    )
+
+
+async def start(
+    stores_runs: RunStore, cmd: StartCommand, defaults: RunDefaults, lease: Lease, *, correlation_id: str | None = None
+) -> Claimed | None:
+    """Create the run under this worker's lease with its first snapshot. A repeated identical start is a
+    no-op (None); a different start under the same id is RunExists."""
+    scope = require_scope(cmd.scope)
+    new = new_run(cmd, defaults)
+    first = Progress(
+        run_id=new.run_id,
+        owner=lease.owner,
+        continuation=Continuation(config=new.config, session_id=new.session_id),
+    )
+    created = await stores_runs.create_run(scope, new, lease, first)
+    if not created.fresh:
+        return None
+    return Claimed(
+        run=created.run,
+        progress=first.model_copy(update={"scope": scope}),
+        suspension=None,
+        correlation_id=correlation_id,
+    )

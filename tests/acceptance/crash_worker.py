@@ -1,0 +1,51 @@
+"""A worker process for crash tests: applies a plan of commands in-process, then drains.
+
+Run as ``python -m tests.acceptance.crash_worker DSN PLAN_JSON`` with ``INTERMISSION_CRASH_AT`` naming a
+crash point (fleet/faults.py); the process SIGKILLs itself there. The plan is a list of
+``{"kind": "start"|"resume"|"decide"|"cancel"|"expire", "command": {...}, "principal"?: str}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Any
+
+from fleet.agent import default_executor
+from fleet.control import LocalControl
+from fleet.runtime import Fleet
+from fleet.settings import Settings
+from schemas.commands import CancelCommand, DecideCommand, ExpireCommand, ResumeCommand, StartCommand
+from store import Stores
+
+
+async def main(dsn: str, plan: list[dict[str, Any]]) -> None:
+    settings = Settings(
+        database_url=dsn, lease_seconds=1.5, lease_renew_seconds=0.4, reclaim_interval_seconds=0.2, pause_ttl_seconds=0
+    )
+    stores = await Stores.connect(dsn)
+    fleet = Fleet(stores, settings, default_executor())
+    control = LocalControl(fleet)
+    for step in plan:
+        kind, body = step["kind"], step["command"]
+        if kind == "start":
+            await control.start(StartCommand.model_validate(body))
+        elif kind == "resume":
+            await control.resume(ResumeCommand.model_validate(body))
+        elif kind == "decide":
+            await control.decide(DecideCommand.model_validate(body), principal=step.get("principal"))
+        elif kind == "cancel":
+            await control.cancel(CancelCommand.model_validate(body))
+        elif kind == "expire":
+            await control.expire(ExpireCommand.model_validate(body))
+        else:
+            raise SystemExit(f"unknown plan step {kind!r}")
+    async with asyncio.timeout(60):
+        await fleet.drain()
+    await fleet.stop()
+    await stores.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))

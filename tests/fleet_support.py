@@ -1,0 +1,90 @@
+"""Helpers for tests that run the fleet: settings for fast leases, a worker in this process, and reads of
+what a run left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.agent import default_executor
+from fleet.control import LocalControl
+from fleet.runtime import Fleet
+from fleet.settings import Settings
+from schemas.commands import StartCommand
+from schemas.run import Run
+from schemas.scope import Scope
+from schemas.script import ScriptTurn
+from store import Stores
+
+DRAIN_TIMEOUT = 30.0
+
+
+def fast_settings(database_url: str, **changes: Any) -> Settings:
+    """Short leases so a dead worker's runs lapse in about a second."""
+    values: dict[str, Any] = {
+        "database_url": database_url,
+        "lease_seconds": 1.5,
+        "lease_renew_seconds": 0.4,
+        "reclaim_interval_seconds": 0.2,
+        "pause_ttl_seconds": 0,
+        "shutdown_grace_seconds": 5.0,
+    }
+    values.update(changes)
+    return Settings(**values)
+
+
+@dataclass
+class Worker:
+    fleet: Fleet
+    control: LocalControl
+
+    async def drain(self, *, wait_for_lapsed: bool = False) -> None:
+        async with asyncio.timeout(DRAIN_TIMEOUT):
+            await self.fleet.drain(wait_for_lapsed=wait_for_lapsed)
+
+
+def worker(stores: Stores, settings: Settings) -> Worker:
+    fleet = Fleet(stores, settings, default_executor())
+    return Worker(fleet=fleet, control=LocalControl(fleet))
+
+
+def start_command(scope: Scope, script: list[dict[str, Any]], **changes: Any) -> StartCommand:
+    body: dict[str, Any] = {
+        "scope": scope,
+        "run_id": f"run-{uuid.uuid4().hex[:12]}",
+        "agent_id": "demo",
+        "input": "please help",
+        "script": [ScriptTurn.model_validate(t) for t in script],
+    }
+    body.update(changes)
+    return StartCommand(**body)
+
+
+async def run_row(stores: Stores, scope: Scope, run_id: str) -> Run:
+    return await stores.runs.get_run(scope, run_id)
+
+
+async def outbox_keys(stores: Stores, scope: Scope, run_id: str) -> list[str]:
+    async with stores.db.connection() as con:
+        found = await con.fetch("list_outbox_for_run", run_id, scope.app, scope.tenant)
+    return [r["routing_key"] for r in found]
+
+
+async def outbox_bodies(stores: Stores, scope: Scope, run_id: str) -> list[dict[str, Any]]:
+    async with stores.db.connection() as con:
+        found = await con.fetch("list_outbox_for_run", run_id, scope.app, scope.tenant)
+    return [json.loads(r["body"]) for r in found]
+
+
+async def charges(stores: Stores, run_id: str) -> dict[str, int]:
+    async with stores.db.connection() as con:
+        found = await con.fetch("count_demo_charges", run_id)
+    return {r["call_id"]: r["times"] for r in found}
+
+
+async def suspension_count(stores: Stores, run_id: str) -> int:
+    async with stores.db.connection() as con:
+        return int(await con.raw.fetchval("SELECT count(*) FROM suspensions WHERE run_id = $1", run_id))
