@@ -1,7 +1,8 @@
 """A worker process for crash tests: applies a plan of commands in-process, then drains.
 
-Run as ``python -m tests.acceptance.crash_worker DSN PLAN_JSON`` with ``INTERMISSION_CRASH_AT`` naming a
-crash point (fleet/faults.py); the process SIGKILLs itself there. The plan is a list of
+Run as ``python -m tests.acceptance.crash_worker DSN PLAN_JSON [serve]`` with ``INTERMISSION_CRASH_AT``
+naming a crash point (fleet/faults.py); the process SIGKILLs itself there. With ``serve`` it keeps serving
+(reclaim sweep on) until SIGTERM, then stops gracefully. The plan is a list of
 ``{"kind": "start"|"resume"|"decide"|"cancel"|"expire", "command": {...}, "principal"?: str}``.
 """
 
@@ -16,11 +17,12 @@ from fleet.agent import default_executor
 from fleet.control import LocalControl
 from fleet.runtime import Fleet
 from fleet.settings import Settings
+from fleet.signals import stop_on_signals
 from schemas.commands import CancelCommand, DecideCommand, ExpireCommand, ResumeCommand, StartCommand
 from store import Stores
 
 
-async def main(dsn: str, plan: list[dict[str, Any]]) -> None:
+async def main(dsn: str, plan: list[dict[str, Any]], serve: bool) -> None:
     settings = Settings(
         database_url=dsn, lease_seconds=1.5, lease_renew_seconds=0.4, reclaim_interval_seconds=0.2, pause_ttl_seconds=0
     )
@@ -41,11 +43,18 @@ async def main(dsn: str, plan: list[dict[str, Any]]) -> None:
             await control.expire(ExpireCommand.model_validate(body))
         else:
             raise SystemExit(f"unknown plan step {kind!r}")
-    async with asyncio.timeout(60):
-        await fleet.drain()
+    if serve:
+        stop = asyncio.Event()
+        with stop_on_signals(stop):
+            print("serving", flush=True)
+            await fleet.start()
+            await stop.wait()
+    else:
+        async with asyncio.timeout(60):
+            await fleet.drain()
     await fleet.stop()
     await stores.close()
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
+    asyncio.run(main(sys.argv[1], json.loads(sys.argv[2]), serve=sys.argv[3:] == ["serve"]))

@@ -77,7 +77,7 @@ async def crash_worker(database_url: str, plan: list[dict[str, Any]], crash_at: 
         stderr=asyncio.subprocess.PIPE,
     )
     async with asyncio.timeout(60):
-        out, err = await proc.communicate()
+        _, err = await proc.communicate()
     assert proc.returncode == -signal.SIGKILL, f"worker did not die at {crash_at}: rc={proc.returncode}\n{err.decode()}"
 
 
