@@ -8,6 +8,7 @@ import sys
 import click
 from pydantic import ValidationError
 
+from fleet.logs import configure as configure_logs
 from fleet.settings import Settings
 from schemas.errors import IntermissionError
 from store.migrate import ensure_database, migrate
@@ -18,7 +19,9 @@ def load_settings() -> Settings:
         return Settings()
     except ValidationError as exc:
         lines = [
-            f"  INTERMISSION_{'_'.join(str(p) for p in err['loc']).upper() or '(settings)'}: {err['msg']}"
+            f"  INTERMISSION_{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
+            if err["loc"]
+            else f"  {err['msg'].removeprefix('Value error, ')}"
             for err in exc.errors()
         ]
         raise click.ClickException("bad settings:\n" + "\n".join(lines)) from exc
@@ -49,6 +52,20 @@ def migrate_command() -> None:
         asyncio.run(run())
     except IntermissionError as exc:
         click.echo(f"migrate failed ({exc.code}): {exc.detail}", err=True)
+        sys.exit(1)
+
+
+@main.command("worker")
+def worker_command() -> None:
+    """Run a worker until SIGTERM: continue claimed runs under leases, take over lapsed ones."""
+    settings = load_settings()
+    configure_logs(settings.log_level)
+    from fleet.worker import serve
+
+    try:
+        asyncio.run(serve(settings))
+    except IntermissionError as exc:
+        click.echo(f"worker failed ({exc.code}): {exc.detail}", err=True)
         sys.exit(1)
 
 

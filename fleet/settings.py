@@ -15,6 +15,8 @@ class Settings(BaseSettings):
     # The RabbitMQ user whose broker-validated user_id marks a message as the messaging bus's reply.
     bus_user: str = "intermission-bus"
     prefetch: int = Field(default=16, ge=1, le=1000)
+    # After this many deliveries a command that keeps failing (transiently) is dead-lettered by the broker.
+    delivery_limit: int = Field(default=10, ge=1, le=1000)
     pool_max_size: int = Field(default=10, ge=1, le=200)
     lease_seconds: float = Field(default=30.0, gt=0)
     lease_renew_seconds: float = Field(default=10.0, gt=0)
