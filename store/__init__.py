@@ -8,6 +8,7 @@ from store.commands import CommandStore
 from store.db import Database
 from store.operations import OperationsStore
 from store.progress import ProgressStore
+from store.resume import ResumeStore
 from store.runs import RunStore
 from store.sessions import SessionStore
 from store.suspensions import SuspensionStore
@@ -24,6 +25,7 @@ class Stores:
     commands: CommandStore
     sessions: SessionStore
     operations: OperationsStore
+    resume: ResumeStore
 
     @classmethod
     def over(cls, db: Database) -> Stores:
@@ -35,6 +37,7 @@ class Stores:
             commands=CommandStore(db),
             sessions=SessionStore(db),
             operations=OperationsStore(db),
+            resume=ResumeStore(db),
         )
 
     @classmethod

@@ -37,18 +37,18 @@ from tests.fleet_support import (
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = 4
 
-CHARGE_THEN_LOOKUP = [
+CHARGE_THEN_LOOKUP: list[dict[str, Any]] = [
     {"call": [{"tool": "charge", "arguments": {"amount": 5}}]},
     {"call": [{"tool": "lookup", "arguments": {"query": "q"}}]},
     {"call": [{"tool": "echo", "arguments": {"n": 1}}, {"tool": "charge", "arguments": {"amount": 7}}]},
     {"say": "done"},
 ]
-LOOKUP_THEN_CHARGE = [
+LOOKUP_THEN_CHARGE: list[dict[str, Any]] = [
     {"call": [{"tool": "lookup", "arguments": {"query": "q"}}]},
     {"call": [{"tool": "charge", "arguments": {"amount": 3}}]},
     {"say": "done"},
 ]
-ECHO_THEN_CHARGE = [
+ECHO_THEN_CHARGE: list[dict[str, Any]] = [
     {"call": [{"tool": "echo", "arguments": {"n": 1}}]},
     {"call": [{"tool": "charge", "arguments": {"amount": 2}}]},
     {"say": "done"},

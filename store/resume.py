@@ -1,0 +1,719 @@
+"""Agent-reply resumes: the seed's ResumeAdmissionStore, ResumeRecoveryStore, ResumeClosureStore,
+ReplyDiscoveryStore and the resume half of LeasedClaimStore, at the caller's exact scope.
+
+How the exactly-once guarantees are made:
+
+- An ADMISSION is one transaction: the single conditional claim of the pinned ``agent_reply`` pause
+  (``resume_claim_agent_reply``, contending on the run's row lock like every other claim), then the
+  admission row. A caller that loses the claim reads the admission the winner committed and gets it back
+  (``fresh`` false) when its request is identical, or a conflict when it is not; it never claims.
+- START, EXPIRY and CLOSURE each begin by locking the run's row FOR UPDATE. Every run writer updates that
+  row, so these serialise with all of them, and start and expiry (which each refuse when the other exists)
+  cannot both commit for one admission: the second to get the lock sees the first's row.
+- Idempotency is by content: each write's request is digested with the one canonical digest, and an
+  identical retry returns the stored record before any other check runs, so a retry after a lost
+  acknowledgement succeeds even when the world has moved on (the run re-paused, the proof expired).
+
+Errors return nothing and grant nothing, an ambiguous commit included: a caller that does not hold a fresh
+ResumeStart does not execute. It retries the identical request and learns what happened.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+import uuid
+from typing import Any
+
+import asyncpg
+
+from schemas.digest import digest as canonical_digest
+from schemas.errors import (
+    Forbidden,
+    InvalidArgument,
+    InvalidState,
+    NotAgentReplyResumable,
+    NotSuspended,
+    ResumeAdmissionConflict,
+    ResumeAdmissionNotFound,
+    ResumeAlreadyStarted,
+    RunConflict,
+    RunLeaseLost,
+    SuspensionExpired,
+)
+from schemas.events import RunEvent
+from schemas.ids import RUN_ID_PATTERN
+from schemas.names import RunEventKind
+from schemas.resume import (
+    DIGEST_PATTERN,
+    RESUME_SCHEMA_VERSION,
+    ResumeAdmission,
+    ResumeAdmissionPage,
+    ResumeAdmissionRequest,
+    ResumeClosure,
+    ResumeClosureRequest,
+    ResumeExpiry,
+    ResumeStart,
+)
+from schemas.run import Lease, RunState
+from schemas.scope import Scope, require_scope
+from schemas.suspension import ClaimVersion, Progress, SuspendReason
+from store import outbox, rows
+from store.db import Conn, Database
+from store.progress import save_progress_in
+
+# ListAgentReplyRuns returns run ids only, so a page of 256 is small.
+MAX_DISCOVERY_PAGE = 256
+# ListResumeAdmissions returns whole admissions, each holding up to 8 MiB of input: the page bound is what
+# bounds a reader's memory (32 x 8 MiB = 256 MiB at worst), so it is deliberately smaller.
+MAX_ADMISSION_PAGE = 32
+# A cursor this store issues is a few hundred characters at most; anything longer is not one of ours.
+MAX_CURSOR_CHARS = 512
+_CURSOR_VERSION = 1
+
+_RUN_ID = re.compile(RUN_ID_PATTERN)
+_DIGEST = re.compile(DIGEST_PATTERN)
+
+# The error a closed run carries. There is no 'incomplete' run state (the state enum is the seed's), so a
+# closure ends the run 'failed' and says incomplete in words; the resume_closed event is the typed record.
+INCOMPLETE_ERROR = "incomplete: resume of suspension {suspension_id} closed under host proof {proof_ref}"
+
+
+def _check_limit(limit: Any, most: int) -> int:
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= most:
+        raise InvalidArgument(f"limit must be between 1 and {most}, not {limit!r}")
+    return limit
+
+
+def _check_run_id(run_id: Any) -> str:
+    if not isinstance(run_id, str) or _RUN_ID.match(run_id) is None:
+        raise InvalidArgument(f"run_id must match {RUN_ID_PATTERN}")
+    return run_id
+
+
+def _check_suspension_id(suspension_id: Any) -> int:
+    if not isinstance(suspension_id, int) or isinstance(suspension_id, bool) or suspension_id < 1:
+        raise InvalidArgument("suspension_id must be a positive integer")
+    return suspension_id
+
+
+def _check_lease(lease: Lease, run_id: str, first: Progress | None) -> None:
+    """A half lease, a missing one, or a first snapshot owned by someone else, refused before any I/O."""
+    if not isinstance(lease, Lease) or not lease.is_set:
+        raise RunLeaseLost("a leased resume needs a lease with both an owner and a ttl")
+    if first is not None:
+        if first.owner != lease.owner:
+            raise RunLeaseLost("the first progress snapshot is owned by someone other than the lease owner")
+        if first.run_id != run_id:
+            raise InvalidArgument("the first progress snapshot is for another run")
+
+
+def _check_admission_request(scope: Scope, req: Any) -> None:
+    if not isinstance(req, ResumeAdmissionRequest):
+        raise InvalidArgument("an admission request is required")
+    req.check(scope)
+
+
+# --- the opaque admission cursor -------------------------------------------------------------------
+
+
+def encode_cursor(scope: Scope, run_id: str, suspension_id: int) -> str:
+    """The position after (run_id, suspension_id), bound to the scope it was issued for.
+
+    It is opaque to callers but not secret or signed: nothing it says grants anything (every page is read
+    at the caller's exact scope anyway). Binding the scope makes a cursor carried to another scope a clear
+    error instead of a silently wrong page.
+    """
+    payload = {"a": scope.app, "t": scope.tenant, "r": run_id, "s": suspension_id, "v": _CURSOR_VERSION}
+    raw = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+
+
+def decode_cursor(scope: Scope, cursor: Any) -> tuple[str, int] | None:
+    """The position a cursor names, or None for the empty cursor (the first page).
+
+    Only a cursor this store would issue is accepted: the decoded position is re-encoded and must give back
+    the very same text, so a tampered, truncated, re-padded or hand-made cursor is InvalidArgument.
+    """
+    if cursor is None or cursor == "":
+        return None
+    bad = InvalidArgument("cursor is not one this store issued (tampered, truncated or from another scope)")
+    if not isinstance(cursor, str) or len(cursor) > MAX_CURSOR_CHARS:
+        raise bad
+    try:
+        raw = base64.b64decode(cursor + "=" * (-len(cursor) % 4), altchars=b"-_", validate=True)
+        payload = json.loads(raw.decode("utf-8"))
+    except (binascii.Error, ValueError) as exc:
+        raise bad from exc
+    if not isinstance(payload, dict) or set(payload) != {"a", "t", "r", "s", "v"}:
+        raise bad
+    run_id, suspension_id = payload["r"], payload["s"]
+    if payload["v"] != _CURSOR_VERSION or (payload["a"], payload["t"]) != (scope.app, scope.tenant):
+        raise bad
+    try:
+        _check_run_id(run_id)
+        _check_suspension_id(suspension_id)
+    except InvalidArgument as exc:
+        raise bad from exc
+    if encode_cursor(scope, run_id, suspension_id) != cursor:
+        raise bad
+    return run_id, suspension_id
+
+
+# --- rows to records -------------------------------------------------------------------------------
+
+
+def _admission(row: asyncpg.Record, *, fresh: bool = False) -> ResumeAdmission:
+    scope = Scope(app=row["app"], tenant=row["tenant"])
+    return ResumeAdmission(
+        schema_version=row["schema_version"],
+        request=ResumeAdmissionRequest(
+            scope=scope,
+            version=ClaimVersion(
+                run_id=row["run_id"], suspension_id=row["suspension_id"], run_revision=row["pinned_revision"]
+            ),
+            input=bytes(row["input"]),
+        ),
+        request_digest=row["request_digest"],
+        suspension_digest=row["suspension_digest"],
+        claimed_revision=row["claimed_revision"],
+        admitted_at=row["admitted_at"],
+        fresh=fresh,
+    )
+
+
+def _start_record(row: asyncpg.Record) -> ResumeStart:
+    return ResumeStart(
+        schema_version=row["schema_version"],
+        version=ClaimVersion(
+            run_id=row["run_id"], suspension_id=row["suspension_id"], run_revision=row["pinned_revision"]
+        ),
+        scope=Scope(app=row["app"], tenant=row["tenant"]),
+        request_digest=row["request_digest"],
+        started_at=row["started_at"],
+    )
+
+
+def _expiry(row: asyncpg.Record) -> ResumeExpiry:
+    return ResumeExpiry(
+        schema_version=row["schema_version"],
+        version=ClaimVersion(
+            run_id=row["run_id"], suspension_id=row["suspension_id"], run_revision=row["pinned_revision"]
+        ),
+        scope=Scope(app=row["app"], tenant=row["tenant"]),
+        request_digest=row["request_digest"],
+        event_id=row["event_id"],
+        run_revision=row["run_revision"],
+        expired_at=row["expired_at"],
+    )
+
+
+def _closure(row: asyncpg.Record) -> ResumeClosure:
+    return ResumeClosure(
+        request=ResumeClosureRequest.model_validate_json(row["request"]),
+        request_digest=row["request_digest"],
+        event_id=row["event_id"],
+        run_revision=row["run_revision"],
+        closed_at=row["closed_at"],
+    )
+
+
+class ResumeStore:
+    """Agent-reply resume evidence and the writes that make it, at the caller's exact scope."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    # --- admission ---------------------------------------------------------------------------------
+
+    async def admit_resume(self, scope: Scope, req: ResumeAdmissionRequest) -> ResumeAdmission:
+        """Claim the pinned agent_reply pause and retain the reply, in one transaction.
+
+        The claim's new revision is the admission's ``claimed_revision``. The identical request again
+        returns the stored admission with ``fresh`` false and claims nothing; a changed request for the same
+        pause is ResumeAdmissionConflict. An admission never grants execution: StartResume does.
+        """
+        require_scope(scope)
+        _check_admission_request(scope, req)
+        return await self._admit(scope, req, None, None)
+
+    async def admit_resume_leased(
+        self, scope: Scope, req: ResumeAdmissionRequest, lease: Lease, first: Progress | None = None
+    ) -> ResumeAdmission:
+        """``admit_resume`` that also takes the run's lease and writes ``first`` in the claiming
+        transaction: an admitter that dies before it starts leaves a lease that lapses and the reply in the
+        snapshot. An admission recorded before is returned as it is and takes nothing."""
+        require_scope(scope)
+        _check_admission_request(scope, req)
+        _check_lease(lease, req.version.run_id, first)
+        return await self._admit(scope, req, lease, first)
+
+    async def _admit(
+        self, scope: Scope, req: ResumeAdmissionRequest, lease: Lease | None, first: Progress | None
+    ) -> ResumeAdmission:
+        version = req.version
+        wanted = req.digest()
+        async with self.db.transaction() as con:
+            # An admission recorded before is returned as it is (or is a conflict) and takes nothing, even
+            # if some other writer has since put the run back on this very pause: the claim never runs.
+            recorded = await self._recorded(con, scope, version, wanted)
+            if recorded is not None:
+                return recorded
+            claimed = await con.fetchrow(
+                "resume_claim_agent_reply",
+                version.run_id,
+                scope.app,
+                scope.tenant,
+                version.suspension_id,
+                version.run_revision,
+                lease.owner if lease is not None else None,
+                lease.ttl_seconds if lease is not None else None,
+            )
+            if claimed is None:
+                # The claim matched nothing. Either this pause was admitted already (by this request's
+                # earlier attempt, or by a rival that won the row lock; its admission is committed by the
+                # time this statement runs), or the pause cannot be claimed at all.
+                return await self._existing_or_refuse(con, scope, version, wanted)
+            suspension = rows.suspension_from_row(claimed)
+            # The pause as read in the claiming transaction; claimed_run is transient and left out of the
+            # digest, so this binds the stored pause and nothing else.
+            suspension_digest = canonical_digest(suspension)
+            claimed_revision: int = claimed["r_revision"]
+            if first is not None:
+                await save_progress_in(con, scope, first)
+            admitted_at = await con.fetchval(
+                "resume_insert_admission",
+                version.run_id,
+                version.suspension_id,
+                scope.app,
+                scope.tenant,
+                RESUME_SCHEMA_VERSION,
+                version.run_revision,
+                req.input,
+                wanted,
+                suspension_digest,
+                claimed_revision,
+            )
+        return ResumeAdmission(
+            schema_version=RESUME_SCHEMA_VERSION,
+            request=req,
+            request_digest=wanted,
+            suspension_digest=suspension_digest,
+            claimed_revision=claimed_revision,
+            admitted_at=admitted_at,
+            fresh=True,
+        )
+
+    async def _recorded(self, con: Conn, scope: Scope, version: ClaimVersion, wanted: str) -> ResumeAdmission | None:
+        """The admission already recorded for this pause when it is this request's; a conflict when it is
+        another's; None when there is none."""
+        row = await con.fetchrow("resume_get_admission", version.run_id, version.suspension_id, scope.app, scope.tenant)
+        if row is None:
+            return None
+        if row["request_digest"] != wanted:
+            raise ResumeAdmissionConflict(
+                f"suspension {version.suspension_id} of run {version.run_id} was admitted with a different request"
+            )
+        return _admission(row)
+
+    async def _existing_or_refuse(self, con: Conn, scope: Scope, version: ClaimVersion, wanted: str) -> ResumeAdmission:
+        recorded = await self._recorded(con, scope, version, wanted)
+        if recorded is not None:
+            return recorded
+        state = await con.fetchrow("resume_classify_claim", version.run_id, scope.app, scope.tenant)
+        if state is None or state["suspension_id"] is None or state["state"] != RunState.PAUSED.value:
+            raise NotSuspended(f"run {version.run_id} has no live pause at scope {scope}")
+        if state["suspension_id"] != version.suspension_id or state["revision"] != version.run_revision:
+            raise RunConflict(
+                f"run {version.run_id} is paused on suspension {state['suspension_id']} at revision "
+                f"{state['revision']}, not {version.suspension_id} at {version.run_revision}"
+            )
+        if state["reason"] != SuspendReason.AGENT_REPLY.value:
+            raise NotAgentReplyResumable(
+                f"the pause of run {version.run_id} waits on {state['reason']}, not an agent reply"
+            )
+        if state["expired"]:
+            raise SuspensionExpired(f"the pause of run {version.run_id} expired at {state['expires_at'].isoformat()}")
+        # Paused on the pinned agent_reply pause, unexpired, unadmitted, yet unmatched: it moved between the
+        # claim and this read. Somebody else claimed it by another path.
+        raise NotSuspended(f"run {version.run_id} was claimed by another caller")
+
+    # --- start -------------------------------------------------------------------------------------
+
+    async def start_resume(self, scope: Scope, run_id: str, suspension_id: int, digest: str) -> ResumeStart:
+        """The single grant of execution for an admission whose request digest is ``digest``.
+
+        Only the fresh start carries the suspension (read in the granting transaction). A retry or a read
+        returns the record without it. A digest that does not match the admission is
+        ResumeAdmissionConflict; no admission is ResumeAdmissionNotFound; an admission that was expired is
+        SuspensionExpired (the expiry proved the continuation must not run).
+        """
+        require_scope(scope)
+        self._check_key(run_id, suspension_id, digest)
+        return await self._start(scope, run_id, suspension_id, digest, None, None)
+
+    async def start_resume_leased(
+        self,
+        scope: Scope,
+        run_id: str,
+        suspension_id: int,
+        digest: str,
+        lease: Lease,
+        first: Progress | None = None,
+    ) -> ResumeStart:
+        """``start_resume`` that takes the run's lease, whoever held it, and writes ``first`` in the
+        granting transaction: the one worker allowed to execute holds the run from then on. The revision
+        stays the admission's claimed_revision. A start recorded before is returned as it is and takes
+        nothing."""
+        require_scope(scope)
+        self._check_key(run_id, suspension_id, digest)
+        _check_lease(lease, run_id, first)
+        return await self._start(scope, run_id, suspension_id, digest, lease, first)
+
+    @staticmethod
+    def _check_key(run_id: str, suspension_id: int, digest: str) -> None:
+        _check_run_id(run_id)
+        _check_suspension_id(suspension_id)
+        if not isinstance(digest, str) or _DIGEST.match(digest) is None:
+            raise InvalidArgument("digest must be the admission's request digest (lowercase hex SHA-256)")
+
+    async def _start(
+        self,
+        scope: Scope,
+        run_id: str,
+        suspension_id: int,
+        digest: str,
+        lease: Lease | None,
+        first: Progress | None,
+    ) -> ResumeStart:
+        async with self.db.transaction() as con:
+            run = await con.fetchrow("resume_lock_run", run_id, scope.app, scope.tenant)
+            admission = await self._admission_for(con, scope, run_id, suspension_id, digest)
+            existing = await con.fetchrow("resume_get_start", run_id, suspension_id, scope.app, scope.tenant)
+            if existing is not None:
+                return _start_record(existing)
+            expiry = await con.fetchrow("resume_get_expiry", run_id, suspension_id, scope.app, scope.tenant)
+            if expiry is not None:
+                raise SuspensionExpired(
+                    f"the admission of suspension {suspension_id} of run {run_id} expired at "
+                    f"{expiry['expired_at'].isoformat()}; it can never start"
+                )
+            if run is None or run["state"] != RunState.RUNNING.value or run["revision"] != admission.claimed_revision:
+                where = "gone" if run is None else f"{run['state']} at revision {run['revision']}"
+                raise RunConflict(
+                    f"run {run_id} is {where}; the admission claimed it at revision {admission.claimed_revision}"
+                )
+            pause = await con.fetchrow("resume_get_pause", run_id, suspension_id, scope.app, scope.tenant)
+            if pause is None:
+                # The continuation to execute is gone, so there is nothing this grant could hand over.
+                raise NotSuspended(f"the admitted pause {suspension_id} of run {run_id} is gone")
+            # Decoded INSIDE the transaction: a pause that cannot be read must roll the grant back, not leave
+            # a committed start whose suspension nobody ever received.
+            suspension = rows.suspension_from_row(pause)
+            if lease is not None:
+                moved = await con.fetchrow(
+                    "resume_move_lease", run_id, scope.app, scope.tenant, lease.owner, lease.ttl_seconds
+                )
+                assert moved is not None  # the row is locked and running: checked above
+                run = moved
+                if first is not None:
+                    await save_progress_in(con, scope, first)
+            started_at = await con.fetchval(
+                "resume_insert_start",
+                run_id,
+                suspension_id,
+                scope.app,
+                scope.tenant,
+                RESUME_SCHEMA_VERSION,
+                admission.request.version.run_revision,
+                admission.request_digest,
+            )
+            suspension.claimed_run = rows.run_from_row(run)
+        return ResumeStart(
+            schema_version=RESUME_SCHEMA_VERSION,
+            version=admission.request.version,
+            scope=scope,
+            request_digest=admission.request_digest,
+            started_at=started_at,
+            fresh=True,
+            suspension=suspension,
+        )
+
+    async def _admission_for(
+        self, con: Conn, scope: Scope, run_id: str, suspension_id: int, digest: str
+    ) -> ResumeAdmission:
+        row = await con.fetchrow("resume_get_admission", run_id, suspension_id, scope.app, scope.tenant)
+        if row is None:
+            raise ResumeAdmissionNotFound(
+                f"no admission for suspension {suspension_id} of run {run_id} at scope {scope}"
+            )
+        if row["request_digest"] != digest:
+            raise ResumeAdmissionConflict(
+                f"the admission of suspension {suspension_id} of run {run_id} has another request digest"
+            )
+        return _admission(row)
+
+    # --- reads -------------------------------------------------------------------------------------
+
+    async def get_resume_admission(self, scope: Scope, run_id: str, suspension_id: int) -> ResumeAdmission:
+        require_scope(scope)
+        _check_run_id(run_id)
+        _check_suspension_id(suspension_id)
+        async with self.db.connection() as con:
+            row = await con.fetchrow("resume_get_admission", run_id, suspension_id, scope.app, scope.tenant)
+        if row is None:
+            raise ResumeAdmissionNotFound(
+                f"no admission for suspension {suspension_id} of run {run_id} at scope {scope}"
+            )
+        return _admission(row)
+
+    async def latest_resume_admission(self, scope: Scope, run_id: str) -> ResumeAdmission:
+        """The run's admission with the highest suspension id: its latest admitted pause."""
+        require_scope(scope)
+        _check_run_id(run_id)
+        async with self.db.connection() as con:
+            row = await con.fetchrow("resume_latest_admission", run_id, scope.app, scope.tenant)
+        if row is None:
+            raise ResumeAdmissionNotFound(f"no admission for run {run_id} at scope {scope}")
+        return _admission(row)
+
+    async def list_resume_admissions(self, scope: Scope, cursor: str, limit: int) -> ResumeAdmissionPage:
+        """Exact-scope admission history in (run id, suspension id) order, ``limit`` (1 to
+        MAX_ADMISSION_PAGE) at a time. ``cursor`` is "" for the first page, then the page's ``next``;
+        ``next`` is "" on the last page."""
+        require_scope(scope)
+        bounded = _check_limit(limit, MAX_ADMISSION_PAGE)
+        after = decode_cursor(scope, cursor)
+        async with self.db.connection() as con:
+            found = await con.fetch(
+                "resume_list_admissions",
+                scope.app,
+                scope.tenant,
+                after[0] if after is not None else None,
+                after[1] if after is not None else None,
+                # One more than asked says whether another page exists, so the last page never hands out a
+                # cursor that leads to an empty one.
+                bounded + 1,
+            )
+        page = [_admission(r) for r in found[:bounded]]
+        more = len(found) > bounded
+        last = page[-1].request.version if page else None
+        next_cursor = encode_cursor(scope, last.run_id, last.suspension_id) if more and last else ""
+        return ResumeAdmissionPage(admissions=page, next=next_cursor)
+
+    async def get_resume_start(self, scope: Scope, run_id: str, suspension_id: int) -> ResumeStart:
+        """A recorded start, never with its suspension: reading a start grants nothing."""
+        require_scope(scope)
+        _check_run_id(run_id)
+        _check_suspension_id(suspension_id)
+        async with self.db.connection() as con:
+            row = await con.fetchrow("resume_get_start", run_id, suspension_id, scope.app, scope.tenant)
+        if row is None:
+            raise ResumeAdmissionNotFound(f"no start for suspension {suspension_id} of run {run_id} at scope {scope}")
+        return _start_record(row)
+
+    async def get_resume_expiry(self, scope: Scope, run_id: str, suspension_id: int) -> ResumeExpiry:
+        require_scope(scope)
+        _check_run_id(run_id)
+        _check_suspension_id(suspension_id)
+        async with self.db.connection() as con:
+            row = await con.fetchrow("resume_get_expiry", run_id, suspension_id, scope.app, scope.tenant)
+        if row is None:
+            raise ResumeAdmissionNotFound(f"no expiry for suspension {suspension_id} of run {run_id} at scope {scope}")
+        return _expiry(row)
+
+    async def get_resume_closure(self, scope: Scope, run_id: str, suspension_id: int) -> ResumeClosure:
+        require_scope(scope)
+        _check_run_id(run_id)
+        _check_suspension_id(suspension_id)
+        async with self.db.connection() as con:
+            row = await con.fetchrow("resume_get_closure", run_id, suspension_id, scope.app, scope.tenant)
+        if row is None:
+            raise ResumeAdmissionNotFound(f"no closure for suspension {suspension_id} of run {run_id} at scope {scope}")
+        return _closure(row)
+
+    # --- expiry ------------------------------------------------------------------------------------
+
+    async def expire_resume_admission(self, scope: Scope, run_id: str, suspension_id: int, digest: str) -> ResumeExpiry:
+        """Record that the admission expired before it started, with its run_events row, under the run's
+        lock that start shares. An existing start is ResumeAlreadyStarted (it may have executed: only a
+        closure can end that). The identical retry returns the stored expiry with ``fresh`` false.
+
+        It does not change the run: expiry is evidence that forbids the start, not an end. It grants no
+        execution and releases nothing; ending the run (failed, expired) is the lease holder's end_run,
+        so expiry never needs the lease and never races the holder's own end.
+        """
+        require_scope(scope)
+        self._check_key(run_id, suspension_id, digest)
+        async with self.db.transaction() as con:
+            run = await con.fetchrow("resume_lock_run", run_id, scope.app, scope.tenant)
+            admission = await self._admission_for(con, scope, run_id, suspension_id, digest)
+            existing = await con.fetchrow("resume_get_expiry", run_id, suspension_id, scope.app, scope.tenant)
+            if existing is not None:
+                return _expiry(existing)
+            if await con.fetchrow("resume_get_start", run_id, suspension_id, scope.app, scope.tenant):
+                raise ResumeAlreadyStarted(
+                    f"suspension {suspension_id} of run {run_id} was started; its execution may have begun"
+                )
+            if run is None:
+                # The admission names the run at this scope and runs are never deleted; a missing row is
+                # not a state to record evidence against.
+                raise ResumeAdmissionNotFound(f"no run {run_id} at scope {scope}")
+            event_id = uuid.uuid4()
+            revision: int = run["revision"]
+            expired_at = await con.fetchval(
+                "resume_insert_expiry",
+                run_id,
+                suspension_id,
+                scope.app,
+                scope.tenant,
+                RESUME_SCHEMA_VERSION,
+                admission.request.version.run_revision,
+                admission.request_digest,
+                event_id,
+                revision,
+                json.dumps({"suspension_id": suspension_id, "request_digest": admission.request_digest}),
+            )
+        return ResumeExpiry(
+            schema_version=RESUME_SCHEMA_VERSION,
+            version=admission.request.version,
+            scope=scope,
+            request_digest=admission.request_digest,
+            event_id=event_id,
+            run_revision=revision,
+            expired_at=expired_at,
+            fresh=True,
+        )
+
+    # --- closure -----------------------------------------------------------------------------------
+
+    async def close_resume(self, scope: Scope, request: ResumeClosureRequest) -> ResumeClosure:
+        """End an uncertain start as incomplete, with its receipt and run_events row, in one transaction.
+
+        Call it through ResumeCloser: the store checks evidence, not authority. Under the run's row lock
+        (serialised with every run writer) the request must bind the run's LATEST admission, that
+        admission's start, and the run's CURRENT revision, and the proof must not have expired by the
+        database clock. The run then fails with an error that says incomplete (there is no 'incomplete'
+        state), revision + 1, lease, progress and pause removed, and a ``run.failed`` event goes to the
+        outbox. The identical request again returns the original receipt with ``fresh`` false, whatever
+        happened since (the proof expiring included); a changed request is ResumeAdmissionConflict.
+        """
+        require_scope(scope)
+        if not isinstance(request, ResumeClosureRequest):
+            raise InvalidArgument("a closure request is required")
+        frozen, wanted = request.freeze()
+        if frozen.scope != scope:
+            raise InvalidArgument(f"the request is bound to scope {frozen.scope}, not the caller's {scope}")
+        version = frozen.version
+        run_id, suspension_id = version.run_id, version.suspension_id
+        async with self.db.transaction() as con:
+            run = await con.fetchrow("resume_lock_run", run_id, scope.app, scope.tenant)
+            existing = await con.fetchrow("resume_get_closure", run_id, suspension_id, scope.app, scope.tenant)
+            if existing is not None:
+                if existing["request_digest"] != wanted:
+                    raise ResumeAdmissionConflict(
+                        f"suspension {suspension_id} of run {run_id} was closed with a different request"
+                    )
+                return _closure(existing)
+            if run is None:
+                raise ResumeAdmissionNotFound(f"no run {run_id} at scope {scope}")
+            if frozen.expires_at <= run["db_now"]:
+                raise Forbidden(f"the closure proof expired at {frozen.expires_at.isoformat()}")
+            await self._check_binding(con, scope, frozen, run)
+            error = INCOMPLETE_ERROR.format(suspension_id=suspension_id, proof_ref=frozen.proof_ref)
+            revision = await con.fetchval(
+                "resume_close_run", run_id, scope.app, scope.tenant, frozen.run_revision, error
+            )
+            assert revision is not None  # locked, running, at the bound revision: checked above
+            await con.execute("resume_drop_run_leftovers", run_id)
+            event_id = uuid.uuid4()
+            closed_at = await con.fetchval(
+                "resume_insert_closure",
+                run_id,
+                suspension_id,
+                scope.app,
+                scope.tenant,
+                RESUME_SCHEMA_VERSION,
+                frozen.model_dump_json(),
+                wanted,
+                event_id,
+                revision,
+                json.dumps(
+                    {
+                        "outcome": "incomplete",
+                        "suspension_id": suspension_id,
+                        "request_digest": wanted,
+                        "admission_digest": frozen.admission_digest,
+                        "start_digest": frozen.start_digest,
+                        "actor": frozen.actor,
+                        "issuer": frozen.issuer,
+                        "issuer_revision": frozen.issuer_revision,
+                        "proof_ref": frozen.proof_ref,
+                        "proof_digest": frozen.proof_digest,
+                    }
+                ),
+            )
+            await outbox.write(
+                con,
+                outbox.run_event(
+                    RunEvent(kind=RunEventKind.FAILED, run_id=run_id, revision=revision, scope=scope, error=error),
+                    None,
+                ),
+            )
+        return ResumeClosure(
+            request=frozen,
+            request_digest=wanted,
+            event_id=event_id,
+            run_revision=revision,
+            closed_at=closed_at,
+            fresh=True,
+        )
+
+    async def _check_binding(self, con: Conn, scope: Scope, req: ResumeClosureRequest, run: asyncpg.Record) -> None:
+        """The request must describe the world as it is under the lock, or it closes something else."""
+        version = req.version
+        latest = await con.fetchrow("resume_latest_admission", version.run_id, scope.app, scope.tenant)
+        if latest is None:
+            raise ResumeAdmissionNotFound(f"no admission for run {version.run_id} at scope {scope}")
+        admission = _admission(latest)
+        if admission.request.version.suspension_id != version.suspension_id:
+            raise RunConflict(
+                f"the latest admission of run {version.run_id} is for suspension "
+                f"{admission.request.version.suspension_id}, not {version.suspension_id}"
+            )
+        if admission.request.version != version or admission.request_digest != req.admission_digest:
+            raise ResumeAdmissionConflict("the closure does not bind the latest admission as recorded")
+        start = await con.fetchrow("resume_get_start", version.run_id, version.suspension_id, scope.app, scope.tenant)
+        if start is None:
+            # Nothing started, so nothing is uncertain: an unstarted admission is expired, not closed.
+            raise ResumeAdmissionNotFound(
+                f"suspension {version.suspension_id} of run {version.run_id} has no start to close"
+            )
+        if _start_record(start).digest() != req.start_digest:
+            raise ResumeAdmissionConflict("the closure does not bind the recorded start")
+        if run["revision"] != req.run_revision:
+            raise RunConflict(
+                f"run {version.run_id} is at revision {run['revision']}, not {req.run_revision}: the closure is stale"
+            )
+        if run["state"] != RunState.RUNNING.value:
+            raise InvalidState(f"run {version.run_id} is {run['state']}; only running execution is closed")
+
+    # --- discovery ---------------------------------------------------------------------------------
+
+    async def list_agent_reply_runs(self, scope: Scope, after: str, limit: int) -> list[str]:
+        """Run ids at the exact scope with a retained agent_reply pause (expired and already admitted ones
+        included) or a running admission whose pause may be gone, ascending strictly after ``after``
+        ("" for the start). ``limit`` must be 1 to 256. Hosts reconcile interrupted execution from here,
+        with LatestResumeAdmission."""
+        require_scope(scope)
+        bounded = _check_limit(limit, MAX_DISCOVERY_PAGE)
+        if after != "":
+            try:
+                _check_run_id(after)
+            except InvalidArgument as exc:
+                raise InvalidArgument("after must be a run id, or empty for the first page") from exc
+        async with self.db.connection() as con:
+            found = await con.fetch("resume_list_agent_reply_runs", scope.app, scope.tenant, after, bounded)
+        return [r["run_id"] for r in found]

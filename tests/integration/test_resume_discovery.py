@@ -1,0 +1,155 @@
+"""ListAgentReplyRuns and LatestResumeAdmission on the real database: REFERENCE.md section 7 scenario 51,
+and the recovery reads a restarted worker reconciles from."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.errors import InvalidArgument, InvalidScope, ResumeAdmissionNotFound
+from schemas.names import RunEventKind
+from schemas.scope import Scope
+from schemas.suspension import PendingCall, SuspendReason
+from store import Stores
+from store.runs import Pause
+from tests.factories import PausedRun, continuation, lease, paused_run
+from tests.integration.test_resume_support import (
+    admission_request,
+    agent_reply_pause,
+    resume_store,
+    snapshot,
+    until_db_clock_passes,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("limit", [0, -1, 257, 10**6])
+async def test_scenario_51_limit_out_of_range_is_refused(stores: Stores, scope: Scope, limit: int) -> None:
+    before = await snapshot(stores)
+    with pytest.raises(InvalidArgument):
+        await resume_store(stores).list_agent_reply_runs(scope, "", limit)
+    assert await snapshot(stores) == before
+
+
+async def test_scenario_51_limits_at_the_bounds_are_accepted(stores: Stores, scope: Scope) -> None:
+    rs = resume_store(stores)
+    assert await rs.list_agent_reply_runs(scope, "", 1) == []
+    assert await rs.list_agent_reply_runs(scope, "", 256) == []
+
+
+async def test_scenario_51_refuses_a_malformed_cursor_and_scope(stores: Stores, scope: Scope) -> None:
+    rs = resume_store(stores)
+    with pytest.raises(InvalidArgument):
+        await rs.list_agent_reply_runs(scope, "not a run id", 10)
+    with pytest.raises(InvalidScope):
+        await rs.list_agent_reply_runs(Scope.model_construct(app="a", tenant=""), "", 10)
+
+
+async def test_scenario_51_discovery_includes_every_kind_of_agent_reply_run_and_nothing_else(
+    stores: Stores, scope: Scope, other_scope: Scope
+) -> None:
+    rs = resume_store(stores)
+    # A live, unadmitted agent-reply pause.
+    waiting = await agent_reply_pause(stores, scope, run_id="r-01-waiting")
+    # An expired one, never admitted.
+    expired = await agent_reply_pause(stores, scope, run_id="r-02-expired", ttl_seconds=0.001)
+    assert expired.suspension.expires_at is not None
+    # An admitted one, its pause retained.
+    admitted = await agent_reply_pause(stores, scope, run_id="r-03-admitted")
+    await rs.admit_resume(scope, admission_request(admitted, scope))
+    # A running admission whose pause row is gone (the fleet deleted it after the start).
+    gone = await agent_reply_pause(stores, scope, run_id="r-04-pause-gone")
+    held = lease()
+    a = await rs.admit_resume_leased(scope, admission_request(gone, scope), held)
+    await rs.start_resume(scope, gone.run.id, gone.suspension.id, a.request_digest)
+    await stores.suspensions.delete_suspension(scope, gone.run.id)
+    # Not agent replies, or not this scope, or no longer held by their admission.
+    await paused_run(stores, scope, reason=SuspendReason.EXTERNAL_TOOL, run_id="r-05-external")
+    await paused_run(stores, scope, reason=SuspendReason.APPROVAL, run_id="r-06-approval")
+    await agent_reply_pause(stores, other_scope, run_id="r-07-other-scope")
+    await agent_reply_pause(stores, Scope(app="acme", tenant="t1-child"), run_id="r-08-child-scope")
+    ended = await agent_reply_pause(stores, scope, run_id="r-09-ended")
+    held_ended = lease()
+    await rs.admit_resume_leased(scope, admission_request(ended, scope), held_ended)
+    await stores.runs.end_run(scope, ended.run.id, held_ended.owner, RunEventKind.COMPLETED, output="ok")
+    moved_on = await agent_reply_pause(stores, scope, run_id="r-10-moved-on")
+    held_moved = lease()
+    await rs.admit_resume_leased(scope, admission_request(moved_on, scope), held_moved)
+    await stores.runs.pause_run(
+        scope,
+        moved_on.run.id,
+        held_moved.owner,
+        Pause(
+            reason=SuspendReason.EXTERNAL_TOOL,
+            pending=[PendingCall(id="c9", name="lookup")],
+            continuation=continuation(step=4),
+            ttl_seconds=0,
+        ),
+    )
+    await until_db_clock_passes(stores, expired.suspension.expires_at)
+
+    found = await rs.list_agent_reply_runs(scope, "", 256)
+
+    assert found == [waiting.run.id, expired.run.id, admitted.run.id, gone.run.id]
+
+
+async def test_scenario_51_pages_strictly_after_the_cursor_in_ascending_order(stores: Stores, scope: Scope) -> None:
+    rs = resume_store(stores)
+    # Mixed case and punctuation: the order is bytewise, whatever the database's collation.
+    ids = ["B-run", "a-run", "a.run", "a_run", "Z:9", "0-first"]
+    for run_id in ids:
+        await agent_reply_pause(stores, scope, run_id=run_id)
+    expected = sorted(ids)
+
+    pages: list[list[str]] = []
+    after = ""
+    while True:
+        page = await rs.list_agent_reply_runs(scope, after, 4)
+        if not page:
+            break
+        pages.append(page)
+        assert all(run_id > after for run_id in page)
+        after = page[-1]
+
+    assert [run_id for page in pages for run_id in page] == expected
+    assert [len(page) for page in pages] == [4, 2]
+    assert await rs.list_agent_reply_runs(scope, expected[2], 256) == expected[3:]
+    assert await rs.list_agent_reply_runs(scope, expected[-1], 256) == []
+
+
+async def test_latest_admission_is_the_highest_suspension_id(stores: Stores, scope: Scope) -> None:
+    rs = resume_store(stores)
+    p = await agent_reply_pause(stores, scope)
+    held = lease()
+    first = await rs.admit_resume_leased(scope, admission_request(p, scope), held)
+    await rs.start_resume_leased(scope, p.run.id, p.suspension.id, first.request_digest, held)
+    assert (await rs.latest_resume_admission(scope, p.run.id)).request_digest == first.request_digest
+    paused = await stores.runs.pause_run(
+        scope,
+        p.run.id,
+        held.owner,
+        Pause(
+            reason=SuspendReason.AGENT_REPLY,
+            pending=[PendingCall(id="c2", name="ask_agent", reply_with="rw-2")],
+            continuation=continuation(step=3),
+            ttl_seconds=0,
+        ),
+    )
+    assert paused.suspension.id > p.suspension.id
+    second_pause = PausedRun(run=p.run, suspension=paused.suspension, revision=paused.notice.run_revision)
+    second = await rs.admit_resume(scope, admission_request(second_pause, scope))
+
+    latest = await rs.latest_resume_admission(scope, p.run.id)
+
+    assert latest.request.version.suspension_id == paused.suspension.id
+    assert latest.request_digest == second.request_digest
+    # The first admission is retained after its pause was replaced.
+    assert (await rs.get_resume_admission(scope, p.run.id, p.suspension.id)).request_digest == first.request_digest
+
+
+async def test_latest_admission_of_a_run_with_none_is_not_found(stores: Stores, scope: Scope) -> None:
+    p = await agent_reply_pause(stores, scope)
+    with pytest.raises(ResumeAdmissionNotFound):
+        await resume_store(stores).latest_resume_admission(scope, p.run.id)
+    with pytest.raises(InvalidArgument):
+        await resume_store(stores).latest_resume_admission(scope, "")
