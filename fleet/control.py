@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from fleet import faults
 from fleet.runtime import Fleet
-from schemas.commands import CancelCommand, DecideCommand, ExpireCommand, ResumeCommand, StartCommand
-from store.commands import Claimed, RunDefaults, start
+from schemas.commands import CancelCommand, DecideCommand, ExpireCommand, ReplyCommand, ResumeCommand, StartCommand
+from store.commands import Claimed, RunDefaults
 
 
 class LocalControl:
@@ -28,7 +28,9 @@ class LocalControl:
         return claimed
 
     async def start(self, cmd: StartCommand, correlation_id: str | None = None) -> Claimed | None:
-        claimed = await start(self.stores.runs, cmd, self.defaults(), self.fleet.lease(), correlation_id=correlation_id)
+        claimed = await self.stores.commands.start(
+            cmd, self.defaults(), self.fleet.lease(), correlation_id=correlation_id
+        )
         return self._hand_over(claimed)
 
     async def resume(self, cmd: ResumeCommand, correlation_id: str | None = None) -> Claimed | None:
@@ -49,4 +51,9 @@ class LocalControl:
 
     async def expire(self, cmd: ExpireCommand, correlation_id: str | None = None) -> Claimed | None:
         claimed = await self.stores.commands.expire(cmd, self.fleet.lease(), correlation_id=correlation_id)
+        return self._hand_over(claimed)
+
+    async def reply(self, cmd: ReplyCommand, correlation_id: str | None = None) -> Claimed | None:
+        """The bus's reply, from inside the process: the caller vouches that it is the bus."""
+        claimed = await self.stores.commands.reply(cmd, self.fleet.lease(), correlation_id=correlation_id)
         return self._hand_over(claimed)

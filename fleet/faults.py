@@ -13,10 +13,11 @@ import signal
 from typing import Final
 
 AFTER_CLAIM: Final = "after_claim"  # a claim committed; the run was not handed to the executor yet
+AFTER_COMMIT: Final = "after_commit"  # a command's transaction committed; its message is not acknowledged
 AFTER_STARTED: Final = "after_started"  # a non-retry-safe call ran; its result is not saved yet
 BETWEEN_STEPS: Final = "between_steps"  # a step boundary was saved; the next step has not begun
 AFTER_PAUSE: Final = "after_pause"  # a pause committed
-POINTS: Final = frozenset({AFTER_CLAIM, AFTER_STARTED, BETWEEN_STEPS, AFTER_PAUSE})
+POINTS: Final = frozenset({AFTER_CLAIM, AFTER_COMMIT, AFTER_STARTED, BETWEEN_STEPS, AFTER_PAUSE})
 
 _target = os.environ.get("INTERMISSION_CRASH_AT", "")
 _remaining = int(os.environ.get("INTERMISSION_CRASH_AFTER", "0") or 0)

@@ -20,9 +20,15 @@ from fleet.executor import Executor, RunContext, RunHandle, StopAtBoundary
 from fleet.identity import incarnation
 from fleet.lease import LeaseKeeper
 from fleet.settings import Settings
-from schemas.errors import IntermissionError, RunLeaseLost, TransientError
-from schemas.run import Lease
-from schemas.suspension import Continuation, Progress
+from schemas.errors import (
+    IntermissionError,
+    ResumeAdmissionNotFound,
+    RunLeaseLost,
+    SuspensionExpired,
+    TransientError,
+)
+from schemas.run import Lease, Run
+from schemas.suspension import Continuation, Ending, EndingKind, Progress
 from store import Stores
 from store.commands import Claimed
 
@@ -157,9 +163,34 @@ class Fleet:
                 with contextlib.suppress(IntermissionError):
                     cont = (await self.stores.suspensions.get_suspension(run.scope, run.id)).continuation
                 progress = Progress(run_id=run.id, scope=run.scope, owner=self.owner, continuation=cont)
+            progress = await self._grant_admitted_start(run, progress)
             log.info("reclaimed a run", extra={"action": "run_reclaimed", "run_id": run.id, "scope": str(run.scope)})
             self.submit(Claimed(run=run, progress=progress, suspension=None, correlation_id=None))
         return len(taken)
+
+    async def _grant_admitted_start(self, run: Run, progress: Progress) -> Progress:
+        """A run whose agent reply was admitted but never started (its admitter died in between) may only
+        execute after the single grant: take it now. An admission that was expired instead must not run:
+        the run finishes as expired."""
+        resume = self.stores.resume
+        try:
+            admission = await resume.latest_resume_admission(run.scope, run.id)
+        except ResumeAdmissionNotFound:
+            return progress
+        if admission.claimed_revision != run.revision:
+            return progress  # an older pause's admission; this run moved on since
+        key = admission.request.version.suspension_id
+        try:
+            await resume.get_resume_start(run.scope, run.id, key)
+            return progress  # started before: the grant was given, and this takeover inherits it
+        except ResumeAdmissionNotFound:
+            pass
+        try:
+            await resume.start_resume_leased(run.scope, run.id, key, admission.request_digest, self.lease())
+        except SuspensionExpired as exc:
+            ending = Ending(kind=EndingKind.EXPIRE, reason=exc.detail)
+            return progress.model_copy(update={"ending": ending})
+        return progress
 
     async def _reclaim_forever(self) -> None:
         while not self.stopping:

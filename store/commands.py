@@ -1,10 +1,11 @@
-"""Each command's effect as ONE transaction: validate against the stored pause, claim it with the
-worker's lease and the first progress snapshot, and write the outbox event.
+"""Each command's effect as ONE transaction: the inbox record, validation against the stored pause, the
+claim with the worker's lease and the first progress snapshot, and the outbox event.
 
 Consumers (RabbitMQ) and the in-process control (tests, the demo) both apply commands through these
 functions, so there is one implementation of every effect. Validation that needs the stored pause (its
 reason, its pending calls, its approvers) reads it inside the same transaction, and the claim is pinned to
-the version the command names, so what was validated is exactly what is claimed.
+the version the command names, so what was validated is exactly what is claimed. A refusal raises and
+rolls everything back: nothing is half-written, not even the inbox record.
 """
 
 from __future__ import annotations
@@ -18,19 +19,31 @@ from schemas.answers import (
     check_authority,
     decision_progress,
     ending_progress,
+    reply_progress,
     results_progress,
 )
-from schemas.commands import CancelCommand, DecideCommand, Decision, ExpireCommand, ResumeCommand, StartCommand
+from schemas.commands import (
+    CancelCommand,
+    DecideCommand,
+    Decision,
+    ExpireCommand,
+    ReplyCommand,
+    ResumeCommand,
+    StartCommand,
+)
 from schemas.errors import InvalidState, NotSuspended, RunConflict
 from schemas.events import RunEvent
 from schemas.names import RunEventKind
+from schemas.resume import ResumeAdmissionRequest
 from schemas.run import Lease, NewRun, Run, RunState
 from schemas.scope import Scope, require_scope
 from schemas.suspension import ClaimVersion, Continuation, Ending, EndingKind, LeasedClaim, Progress, Suspension
 from store import outbox, rows
 from store.db import Conn, Database
-from store.runs import RunStore
-from store.suspensions import check_leased_claim, claim_pinned_in
+from store.inbox import Receipt, record_in
+from store.resume import ResumeStore
+from store.runs import create_run_in
+from store.suspensions import SuspensionStore, check_leased_claim, claim_pinned_in
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,31 @@ class Claimed:
     progress: Progress
     suspension: Suspension | None
     correlation_id: str | None
+
+
+@dataclass(frozen=True)
+class RunDefaults:
+    """What a start takes from the settings when its command leaves it out."""
+
+    pause_ttl_seconds: int
+    max_steps: int
+
+
+def new_run(cmd: StartCommand, defaults: RunDefaults) -> NewRun:
+    """Resolve a start into the run to create: the config is flattened once, here, and stored; a resume
+    never re-merges it."""
+    config = cmd.config
+    if config.max_steps == 0:
+        config = config.model_copy(update={"max_steps": defaults.max_steps})
+    return NewRun(
+        run_id=cmd.run_id,
+        agent_id=cmd.agent_id,
+        input=cmd.input,
+        config=config,
+        script=cmd.script,
+        pause_ttl_seconds=defaults.pause_ttl_seconds if cmd.pause_ttl_seconds is None else cmd.pause_ttl_seconds,
+        session_id=cmd.session_id or cmd.run_id,
+    )
 
 
 async def _stored_pause(con: Conn, scope: Scope, version: ClaimVersion) -> Suspension:
@@ -79,27 +117,80 @@ async def _claim(
     return Claimed(run=run, progress=progress, suspension=suspension, correlation_id=correlation_id)
 
 
+async def _record(con: Conn, receipt: Receipt | None, scope: Scope, run_id: str) -> None:
+    if receipt is not None:
+        await record_in(con, receipt, scope, run_id)
+
+
 class CommandStore:
-    """Command effects over one pool."""
+    """Command effects over one pool. ``receipt`` records the delivering message in the inbox, in the
+    same transaction; it raises ``AlreadyApplied`` for a message whose effect committed before."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
+        self.suspensions = SuspensionStore(db)
+        self.admissions = ResumeStore(db)
 
-    async def resume(self, cmd: ResumeCommand, lease: Lease, *, correlation_id: str | None = None) -> Claimed:
+    async def start(
+        self,
+        cmd: StartCommand,
+        defaults: RunDefaults,
+        lease: Lease,
+        *,
+        receipt: Receipt | None = None,
+        correlation_id: str | None = None,
+    ) -> Claimed | None:
+        """Create the run under this worker's lease with its first snapshot. A repeated identical start is
+        a no-op (None); a different start under the same id is RunExists."""
+        scope = require_scope(cmd.scope)
+        new = new_run(cmd, defaults)
+        first = Progress(
+            run_id=new.run_id,
+            owner=lease.owner,
+            continuation=Continuation(config=new.config, session_id=new.session_id),
+        )
+        async with self.db.transaction() as con:
+            await _record(con, receipt, scope, new.run_id)
+            created = await create_run_in(con, scope, new, lease, first)
+        if not created.fresh:
+            return None
+        return Claimed(
+            run=created.run,
+            progress=first.model_copy(update={"scope": scope}),
+            suspension=None,
+            correlation_id=correlation_id,
+        )
+
+    async def resume(
+        self,
+        cmd: ResumeCommand,
+        lease: Lease,
+        *,
+        receipt: Receipt | None = None,
+        correlation_id: str | None = None,
+    ) -> Claimed:
         """A host's results for an ``external_tool`` pause."""
         scope = require_scope(cmd.scope)
         async with self.db.transaction() as con:
+            await _record(con, receipt, scope, cmd.version.run_id)
             suspension = await _stored_pause(con, scope, cmd.version)
             check_authority(Source.HOST, suspension)
             first = results_progress(suspension, cmd.results, lease.owner)
             return await _claim(con, scope, cmd.version, lease, first, correlation_id)
 
     async def decide(
-        self, cmd: DecideCommand, lease: Lease, *, principal: str | None, correlation_id: str | None = None
+        self,
+        cmd: DecideCommand,
+        lease: Lease,
+        *,
+        principal: str | None,
+        receipt: Receipt | None = None,
+        correlation_id: str | None = None,
     ) -> Claimed:
         """An approval decision. ``principal`` is the broker-validated sender, never the body's word."""
         scope = require_scope(cmd.scope)
         async with self.db.transaction() as con:
+            await _record(con, receipt, scope, cmd.version.run_id)
             suspension = await _stored_pause(con, scope, cmd.version)
             check_authority(Source.DECISION, suspension)
             if suspension.checkpoint_id != cmd.checkpoint_id:
@@ -115,92 +206,84 @@ class CommandStore:
                 raise InvalidState(f"checkpoint {cmd.checkpoint_id} is not pending")
             return claimed
 
-    async def expire(self, cmd: ExpireCommand, lease: Lease, *, correlation_id: str | None = None) -> Claimed:
+    async def expire(
+        self,
+        cmd: ExpireCommand,
+        lease: Lease,
+        *,
+        receipt: Receipt | None = None,
+        correlation_id: str | None = None,
+    ) -> Claimed:
         """Claim a pause past its deadline (judged against ``expired_by`` AND the database clock) with
         ``ending = expire``; the worker fails the run with a reason naming the deadline."""
         scope = require_scope(cmd.scope)
         async with self.db.transaction() as con:
+            await _record(con, receipt, scope, cmd.version.run_id)
             suspension = await _stored_pause(con, scope, cmd.version)
             deadline = suspension.expires_at.isoformat() if suspension.expires_at else "no deadline"
             ending = Ending(
                 kind=EndingKind.EXPIRE,
-                reason=f"suspension_expired: the {suspension.reason.value} "
-                f"pause passed its deadline {deadline} unanswered",
+                reason=f"suspension_expired: the {suspension.reason.value} pause passed its deadline "
+                f"{deadline} unanswered",
             )
             first = ending_progress(suspension, ending, lease.owner)
             return await _claim(
-                con,
-                scope,
-                cmd.version,
-                lease,
-                first,
-                correlation_id,
-                expired_by=cmd.expired_by,
-                announce=False,
+                con, scope, cmd.version, lease, first, correlation_id, expired_by=cmd.expired_by, announce=False
             )
 
-    async def cancel(self, cmd: CancelCommand, lease: Lease, *, correlation_id: str | None = None) -> Claimed:
+    async def cancel(
+        self,
+        cmd: CancelCommand,
+        lease: Lease,
+        *,
+        receipt: Receipt | None = None,
+        correlation_id: str | None = None,
+    ) -> Claimed:
         """Claim a paused run with ``ending = cancel``; a run that already ended is InvalidState."""
         scope = require_scope(cmd.scope)
         async with self.db.transaction() as con:
-            state = await con.fetchval("run_state", cmd.run_id, scope.app, scope.tenant)
-            if state is None:
-                raise NotSuspended(f"no run {cmd.run_id} at scope {scope}")
-            if RunState(state).is_terminal:
-                raise InvalidState(f"run {cmd.run_id} already ended {state}")
-            row = await con.fetchrow("get_suspension", cmd.run_id, scope.app, scope.tenant)
+            await _record(con, receipt, scope, cmd.run_id)
             run_row = await con.fetchrow("get_run", cmd.run_id, scope.app, scope.tenant)
-            if row is None or run_row is None:
+            if run_row is None:
+                raise NotSuspended(f"no run {cmd.run_id} at scope {scope}")
+            if RunState(run_row["state"]).is_terminal:
+                raise InvalidState(f"run {cmd.run_id} already ended {run_row['state']}")
+            row = await con.fetchrow("get_suspension", cmd.run_id, scope.app, scope.tenant)
+            if row is None or run_row["state"] != RunState.PAUSED.value:
                 raise NotSuspended(f"run {cmd.run_id} is not paused")
             suspension = rows.suspension_from_row(row)
             version = ClaimVersion(run_id=cmd.run_id, suspension_id=suspension.id, run_revision=run_row["revision"])
             first = ending_progress(suspension, Ending(kind=EndingKind.CANCEL, reason=cmd.reason), lease.owner)
             return await _claim(con, scope, version, lease, first, correlation_id, announce=False)
 
+    async def reply(self, cmd: ReplyCommand, lease: Lease, *, correlation_id: str | None = None) -> Claimed | None:
+        """The messaging bus's reply to an ``agent_reply`` pause (the caller has checked that the sender IS
+        the bus). Admit (claim the pause, keep the input bytes exactly, take the lease, write the first
+        snapshot, announce run.resumed), then start (the single grant of execution).
 
-@dataclass(frozen=True)
-class RunDefaults:
-    """What a start takes from the settings when its command leaves it out."""
-
-    pause_ttl_seconds: int
-    max_steps: int
-
-
-def new_run(cmd: StartCommand, defaults: RunDefaults) -> NewRun:
-    """Resolve a start into the run to create: the config is flattened once, here, and stored; a resume
-    never re-merges it."""
-    config = cmd.config
-    if config.max_steps == 0:
-        config = config.model_copy(update={"max_steps": defaults.max_steps})
-    return NewRun(
-        run_id=cmd.run_id,
-        agent_id=cmd.agent_id,
-        input=cmd.input,
-        config=config,
-        script=cmd.script,
-        pause_ttl_seconds=defaults.pause_ttl_seconds if cmd.pause_ttl_seconds is None else cmd.pause_ttl_seconds,
-        session_id=cmd.session_id or cmd.run_id,
-    )
-
-
-async def start(
-    stores_runs: RunStore, cmd: StartCommand, defaults: RunDefaults, lease: Lease, *, correlation_id: str | None = None
-) -> Claimed | None:
-    """Create the run under this worker's lease with its first snapshot. A repeated identical start is a
-    no-op (None); a different start under the same id is RunExists."""
-    scope = require_scope(cmd.scope)
-    new = new_run(cmd, defaults)
-    first = Progress(
-        run_id=new.run_id,
-        owner=lease.owner,
-        continuation=Continuation(config=new.config, session_id=new.session_id),
-    )
-    created = await stores_runs.create_run(scope, new, lease, first)
-    if not created.fresh:
-        return None
-    return Claimed(
-        run=created.run,
-        progress=first.model_copy(update={"scope": scope}),
-        suspension=None,
-        correlation_id=correlation_id,
-    )
+        A redelivered reply is the identical admission request: it gets the stored admission back and the
+        start is granted at most once, so a reply interrupted between admit and start is finished by its
+        redelivery, and one that started is not run again (None). The admission is the reply's idempotency
+        record: a different reply for the same pause is resume_admission_conflict.
+        """
+        scope = require_scope(cmd.scope)
+        suspension = await self.suspensions.get_suspension(scope, cmd.version.run_id)
+        if suspension.id != cmd.version.suspension_id:
+            raise RunConflict(f"run {cmd.version.run_id} is paused on suspension {suspension.id}")
+        check_authority(Source.BUS, suspension)
+        first = reply_progress(suspension, cmd.reply_with, cmd.input, lease.owner)
+        request = ResumeAdmissionRequest(scope=scope, version=cmd.version, input=cmd.input.encode("utf-8"))
+        admission = await self.admissions.admit_resume_leased(
+            scope, request, lease, first, correlation_id=correlation_id
+        )
+        started = await self.admissions.start_resume_leased(
+            scope, cmd.version.run_id, cmd.version.suspension_id, admission.request_digest, lease, first
+        )
+        if not started.fresh or started.suspension is None or started.suspension.claimed_run is None:
+            return None
+        return Claimed(
+            run=started.suspension.claimed_run,
+            progress=first.model_copy(update={"scope": scope}),
+            suspension=started.suspension,
+            correlation_id=correlation_id,
+        )

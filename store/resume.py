@@ -228,7 +228,9 @@ class ResumeStore:
 
     # --- admission ---------------------------------------------------------------------------------
 
-    async def admit_resume(self, scope: Scope, req: ResumeAdmissionRequest) -> ResumeAdmission:
+    async def admit_resume(
+        self, scope: Scope, req: ResumeAdmissionRequest, *, correlation_id: str | None = None
+    ) -> ResumeAdmission:
         """Claim the pinned agent_reply pause and retain the reply, in one transaction.
 
         The claim's new revision is the admission's ``claimed_revision``. The identical request again
@@ -237,10 +239,16 @@ class ResumeStore:
         """
         require_scope(scope)
         _check_admission_request(scope, req)
-        return await self._admit(scope, req, None, None)
+        return await self._admit(scope, req, None, None, correlation_id)
 
     async def admit_resume_leased(
-        self, scope: Scope, req: ResumeAdmissionRequest, lease: Lease, first: Progress | None = None
+        self,
+        scope: Scope,
+        req: ResumeAdmissionRequest,
+        lease: Lease,
+        first: Progress | None = None,
+        *,
+        correlation_id: str | None = None,
     ) -> ResumeAdmission:
         """``admit_resume`` that also takes the run's lease and writes ``first`` in the claiming
         transaction: an admitter that dies before it starts leaves a lease that lapses and the reply in the
@@ -248,10 +256,15 @@ class ResumeStore:
         require_scope(scope)
         _check_admission_request(scope, req)
         _check_lease(lease, req.version.run_id, first)
-        return await self._admit(scope, req, lease, first)
+        return await self._admit(scope, req, lease, first, correlation_id)
 
     async def _admit(
-        self, scope: Scope, req: ResumeAdmissionRequest, lease: Lease | None, first: Progress | None
+        self,
+        scope: Scope,
+        req: ResumeAdmissionRequest,
+        lease: Lease | None,
+        first: Progress | None,
+        correlation_id: str | None,
     ) -> ResumeAdmission:
         version = req.version
         wanted = req.digest()
@@ -283,6 +296,9 @@ class ResumeStore:
             claimed_revision: int = claimed["r_revision"]
             if first is not None:
                 await save_progress_in(con, scope, first)
+            # The admission is the claim: its run.resumed event commits with it (invariant 4).
+            resumed = RunEvent(kind=RunEventKind.RESUMED, run_id=version.run_id, revision=claimed_revision, scope=scope)
+            await outbox.write(con, outbox.run_event(resumed, correlation_id))
             admitted_at = await con.fetchval(
                 "resume_insert_admission",
                 version.run_id,

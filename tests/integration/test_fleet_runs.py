@@ -10,18 +10,28 @@ from datetime import datetime
 
 import pytest
 
+from schemas.answers import reply_progress
 from schemas.commands import (
     CancelCommand,
     DecideCommand,
     Decision,
     ExpireCommand,
+    ReplyCommand,
     ResumeCommand,
     ToolAnswer,
 )
 from schemas.config import RunConfig
-from schemas.errors import Forbidden, InvalidState, NotSuspended, RequiresApproval, ResultsMismatch
+from schemas.errors import (
+    Forbidden,
+    InvalidState,
+    NotAgentReplyResumable,
+    NotSuspended,
+    RequiresApproval,
+    ResultsMismatch,
+)
 from schemas.llm import Role
-from schemas.run import RunState
+from schemas.resume import ResumeAdmissionRequest
+from schemas.run import Lease, RunState
 from schemas.scope import Scope
 from schemas.suspension import ClaimVersion, SuspendReason, Suspension
 from store import Stores
@@ -367,3 +377,62 @@ async def wait_for_db_clock(stores: Stores, moment: datetime) -> None:
             "SELECT pg_sleep(GREATEST(0, extract(epoch FROM $1::timestamptz - clock_timestamp())))", moment
         )
         assert await con.raw.fetchval("SELECT clock_timestamp() > $1", moment)
+
+
+async def test_agent_reply_pause_is_answered_by_the_bus_exactly_once(stores: Stores, scope: Scope, w: Worker) -> None:
+    cmd = start_command(
+        scope, [{"call": [{"tool": "ask_agent", "arguments": {"agent": "pricer", "question": "how much?"}}]}]
+    )
+    await w.control.start(cmd)
+    await w.drain()
+    s, revision = await pause_of(stores, scope, cmd.run_id)
+    assert s.reason is SuspendReason.AGENT_REPLY
+    (asked,) = s.pending
+    assert asked.reply_with.startswith("rw-")
+    # A host may not answer what waits on a peer.
+    with pytest.raises(NotAgentReplyResumable):
+        await w.control.resume(
+            ResumeCommand(scope=scope, version=version(s, revision), results=[ToolAnswer(call_id=asked.id)])
+        )
+    # The bus's reply input is kept and handed over byte for byte (note the escapes and the spacing).
+    reply_input = '{"performative": "inform", "sender": "pricer", "content": "42 \\u20ac\\n"}'
+    reply = ReplyCommand(scope=scope, version=version(s, revision), reply_with=asked.reply_with, input=reply_input)
+    with pytest.raises(ResultsMismatch):
+        await w.control.reply(reply.model_copy(update={"reply_with": "rw-someone-else"}))
+    assert await w.control.reply(reply, correlation_id="bus-1") is not None
+    assert await w.control.reply(reply, correlation_id="bus-1") is None  # redelivered: no second execution
+    await w.drain()
+
+    run = await stores.runs.get_run(scope, cmd.run_id)
+    assert (run.state, run.output) == (RunState.COMPLETED, reply_input)
+    admission = await stores.resume.get_resume_admission(scope, cmd.run_id, s.id)
+    assert admission.request.input == reply_input.encode()
+    assert admission.claimed_revision == revision + 1
+    start = await stores.resume.get_resume_start(scope, cmd.run_id, s.id)
+    assert (start.fresh, start.suspension) == (False, None)  # a read never grants
+    assert await outbox_keys(stores, scope, cmd.run_id) == [
+        f"notice.agent_reply.{scope.app}.{scope.tenant}",
+        f"run.resumed.{scope.app}.{scope.tenant}",
+        f"run.completed.{scope.app}.{scope.tenant}",
+    ]
+
+
+async def test_a_reply_admitted_by_a_worker_that_died_before_starting_is_started_by_the_takeover(
+    stores: Stores, scope: Scope, w: Worker
+) -> None:
+    cmd = start_command(scope, [{"call": [{"tool": "ask_agent", "arguments": {"agent": "a", "question": "q"}}]}])
+    await w.control.start(cmd)
+    await w.drain()
+    s, revision = await pause_of(stores, scope, cmd.run_id)
+    dead = Lease(owner="worker-that-died", ttl_seconds=0.2)
+    first = reply_progress(s, s.pending[0].reply_with, '"the answer"', dead.owner)
+    request = ResumeAdmissionRequest(scope=scope, version=version(s, revision), input=b'"the answer"')
+    # The admission committed (claim, lease, snapshot) and then its worker died: no start was granted.
+    await stores.resume.admit_resume_leased(scope, request, dead, first)
+
+    await w.drain(wait_for_lapsed=True)
+
+    run = await stores.runs.get_run(scope, cmd.run_id)
+    assert (run.state, run.output) == (RunState.COMPLETED, '"the answer"')
+    start = await stores.resume.get_resume_start(scope, cmd.run_id, s.id)
+    assert start.request_digest == request.digest()
