@@ -1,9 +1,10 @@
 """The base every Intermission model shares.
 
 Stored and transmitted values are pydantic v2 models serialised as JSON, never pickled. Bytes travel
-as standard base64 in JSON (both directions), so `Continuation.prepared` survives jsonb and AMQP byte
-for byte. Decode stored JSON with ``model_validate_json``: python-mode validation would take a base64
-string for raw bytes.
+as base64 in JSON, so `Continuation.prepared` survives jsonb and AMQP byte for byte: pydantic WRITES the
+URL-safe alphabet (``-_``, padded) and READS either alphabet (tests/unit/test_schemas.py pins both).
+Decode stored JSON with ``model_validate_json``: python-mode validation would take a base64 string for
+raw bytes.
 """
 
 from __future__ import annotations

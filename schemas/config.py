@@ -54,7 +54,8 @@ class RunConfig(Model):
     budget: Budget = Field(default_factory=Budget)
     all_tools_restricted: bool = False
     model: str = ""
-    temperature: float | None = None
+    # NaN and infinities have no JSON form: they would be stored as null and come back as None.
+    temperature: float | None = Field(default=None, allow_inf_nan=False)
     max_steps: int = 0
     max_tokens: int = 0
     reasoning_loop: str = ""

@@ -43,7 +43,8 @@ class Lease(Model):
     model_config = Model.model_config | {"frozen": True}
 
     owner: str = ""
-    ttl_seconds: float = 0.0
+    # Finite: an infinite ttl has no interval in PostgreSQL, and NaN is no duration at all.
+    ttl_seconds: float = Field(default=0.0, allow_inf_nan=False)
 
     @property
     def is_set(self) -> bool:

@@ -48,6 +48,7 @@ def require_scope(scope: Any) -> Scope:
         raise InvalidScope("a scope is required")
     for part_name in ("app", "tenant"):
         part = getattr(scope, part_name, None)
-        if not isinstance(part, str) or _SCOPE_PART.match(part) is None:
+        # fullmatch, not match: "$" also matches before a trailing newline, so "acme\n" would pass.
+        if not isinstance(part, str) or _SCOPE_PART.fullmatch(part) is None:
             raise InvalidScope(f"scope {part_name} must match {SCOPE_PART_PATTERN}")
     return scope

@@ -15,7 +15,7 @@ from typing import Any
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from schemas.errors import IntermissionError, StoreUnavailable
+from schemas.errors import IntermissionError, InvalidArgument, StoreUnavailable
 from store.queries import QUERIES
 
 # SQLSTATEs a retry may cure: serialisation failures and deadlocks, and the server going away.
@@ -33,6 +33,14 @@ _TRANSIENT_SQLSTATES = frozenset(
         "08006",
         "08001",
         "08004",
+    }
+)
+
+
+_BAD_TEXT_SQLSTATES = frozenset(
+    {
+        "22P05",  # untranslatable_character (U+0000 in text or jsonb)
+        "22021",  # character_not_in_repertoire (invalid UTF-8)
     }
 )
 
@@ -62,6 +70,9 @@ def translated() -> Iterator[None]:
     except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
         if is_transient(exc):
             raise StoreUnavailable(f"database unavailable: {type(exc).__name__}") from exc
+        if getattr(exc, "sqlstate", None) in _BAD_TEXT_SQLSTATES:
+            # PostgreSQL text cannot hold U+0000 and must be valid UTF-8: the caller's input, not a fault.
+            raise InvalidArgument("text must be valid UTF-8 without U+0000 (NUL)") from exc
         sqlstate = getattr(exc, "sqlstate", None)
         raise StoreError(f"database error {sqlstate or type(exc).__name__}") from exc
 

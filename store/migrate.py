@@ -103,7 +103,7 @@ def split_database(dsn: str) -> tuple[str, str]:
 async def ensure_database(dsn: str) -> bool:
     """Create the database ``dsn`` names when it is missing. Returns whether it was created."""
     admin_dsn, name = split_database(dsn)
-    if _DATABASE_NAME.match(name) is None:
+    if _DATABASE_NAME.fullmatch(name) is None:
         raise MigrationError(f"database name {name!r} must match {_DATABASE_NAME.pattern}")
     with translated():
         raw = await asyncpg.connect(admin_dsn)
@@ -114,8 +114,10 @@ async def ensure_database(dsn: str) -> bool:
                 # DDL takes no parameters; the name was checked against a strict pattern above and is
                 # quoted as an identifier.
                 await raw.execute(f'CREATE DATABASE "{name}"')
-            except asyncpg.DuplicateDatabaseError:
-                return False  # another process created it first
+            except (asyncpg.DuplicateDatabaseError, asyncpg.UniqueViolationError):
+                # Another process created it first. Two CREATE DATABASE racing for one name can also end
+                # in a unique violation on pg_database's name index rather than duplicate_database.
+                return False
             return True
         finally:
             await raw.close()

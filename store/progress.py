@@ -32,6 +32,8 @@ class ProgressStore:
         RunLeaseLost otherwise, and nothing is written. An empty owner never matches, not even a run that
         holds no lease. Returns the snapshot with the scope and time the store gave it."""
         require_scope(scope)
+        if not p.owner:  # refused before any I/O, like a half lease
+            raise RunLeaseLost("an empty owner never holds a lease")
         async with self.db.transaction() as con:
             return await save_progress_in(con, scope, p)
 

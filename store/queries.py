@@ -26,6 +26,8 @@ def parse(text: str, source: str = "<sql>") -> dict[str, str]:
         body = "\n".join(body_lines).strip().rstrip(";").strip()
         if not body:
             raise ValueError(f"{source}: query {header.group(1)!r} is empty")
+        if header.group(1) in found:
+            raise ValueError(f"{source}: query {header.group(1)!r} is defined twice")
         found[header.group(1)] = body
     return found
 

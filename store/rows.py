@@ -6,13 +6,14 @@ row is an ``InvalidContinuation`` at the boundary, not a half-restored run sever
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
 
 import asyncpg
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from schemas.config import RunConfig
-from schemas.errors import InvalidContinuation
+from schemas.errors import InvalidArgument, InvalidContinuation
 from schemas.llm import Message
 from schemas.run import Run, RunState
 from schemas.scope import Scope
@@ -38,12 +39,24 @@ MESSAGES = TypeAdapter(list[Message])
 SCRIPT = TypeAdapter(list[ScriptTurn])
 
 
+# PostgreSQL text, and so jsonb, cannot hold U+0000: JSON writes it as the escape \u0000, which jsonb refuses
+# with an untyped driver error. It is refused here, typed, before the statement that would carry it (so its
+# transaction rolls back). The escape is a backslash after an even number of backslashes; "\\u0000" is text.
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def _storable(encoded: str) -> str:
+    if _NUL_ESCAPE.search(encoded) is not None:
+        raise InvalidArgument("text must not contain U+0000 (NUL): PostgreSQL cannot store it")
+    return encoded
+
+
 def dump(value: BaseModel) -> str:
-    return value.model_dump_json()
+    return _storable(value.model_dump_json())
 
 
 def dump_list(adapter: TypeAdapter[list[T]], values: list[T]) -> str:
-    return adapter.dump_json(values).decode()
+    return _storable(adapter.dump_json(values).decode())
 
 
 def load_model(model: type[M], raw: str, what: str) -> M:

@@ -9,6 +9,7 @@ holder of a live lease may pause or end a running run; anyone else gets RunLease
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 
@@ -71,6 +72,16 @@ def _check_lease(lease: Lease) -> None:
         raise RunLeaseLost("a lease needs both an owner and a ttl")
 
 
+def check_new_run(new: NewRun, lease: Lease | None, first: Progress | None) -> None:
+    if lease is not None:
+        _check_lease(lease)
+    if first is not None:
+        if lease is None or first.owner != lease.owner:
+            raise RunLeaseLost("the first progress snapshot must be owned by the lease owner")
+        if first.run_id != new.run_id:
+            raise InvalidArgument("the first progress snapshot is for another run")
+
+
 def start_digest(scope: Scope, new: NewRun) -> str:
     """Binds a start request, so a repeated start is recognised and a different one is run_exists."""
     return digest({"scope": scope, "run": new})
@@ -89,44 +100,9 @@ class RunStore:
         false and changes nothing; a different start under the same id is RunExists.
         """
         require_scope(scope)
-        if lease is not None:
-            _check_lease(lease)
-        if first is not None:
-            if lease is None or first.owner != lease.owner:
-                raise RunLeaseLost("the first progress snapshot must be owned by the lease owner")
-            if first.run_id != new.run_id:
-                raise InvalidArgument("the first progress snapshot is for another run")
-        wanted = start_digest(scope, new)
+        check_new_run(new, lease, first)
         async with self.db.transaction() as con:
-            row = await con.fetchrow(
-                "create_run",
-                new.run_id,
-                scope.app,
-                scope.tenant,
-                new.agent_id,
-                new.input,
-                rows.dump(new.config),
-                None if new.script is None else rows.dump_list(rows.SCRIPT, new.script),
-                new.pause_ttl_seconds,
-                new.session_id or new.run_id,
-                wanted,
-                lease.owner if lease is not None else None,
-                lease.ttl_seconds if lease is not None else None,
-            )
-            if row is None:
-                existing = await con.fetchrow("run_start_digest", new.run_id)
-                if (
-                    existing is None
-                    or existing["start_digest"] != wanted
-                    or (existing["app"], existing["tenant"]) != (scope.app, scope.tenant)
-                ):
-                    raise RunExists(f"run id {new.run_id} holds a different run")
-                stored = await con.fetchrow("get_run", new.run_id, scope.app, scope.tenant)
-                assert stored is not None
-                return CreatedRun(rows.run_from_row(stored), fresh=False)
-            if first is not None:
-                await save_progress_in(con, scope, first)
-            return CreatedRun(rows.run_from_row(row), fresh=True)
+            return await create_run_in(con, scope, new, lease, first)
 
     async def get_run(self, scope: Scope, run_id: str) -> Run:
         require_scope(scope)
@@ -161,6 +137,8 @@ class RunStore:
         _check_lease(lease)
         if first is not None and first.owner != lease.owner:
             raise RunLeaseLost("the first progress snapshot must be owned by the lease owner")
+        if first is not None and first.run_id != run_id:
+            raise InvalidArgument("the first progress snapshot is for another run")
         async with self.db.transaction() as con:
             row = await con.fetchrow(
                 "claim_continuation_leased", run_id, scope.app, scope.tenant, lease.owner, lease.ttl_seconds
@@ -171,6 +149,9 @@ class RunStore:
                 raise RunNotReclaimable(f"run {run_id} is not running under a lapsed lease")
             if first is not None:
                 await save_progress_in(con, scope, first)
+            else:
+                # The snapshot belongs to whoever holds the run: hand it over with the lease.
+                await con.execute("adopt_progress", [run_id], lease.owner)
             return rows.run_from_row(row)
 
     async def reclaim_lapsed(self, lease: Lease, limit: int) -> list[Reclaimed]:
@@ -209,6 +190,9 @@ class RunStore:
         require_scope(scope)
         if not pause.pending:
             raise InvalidArgument("a pause needs at least one pending call")
+        if pause.ttl_seconds is not None and not (math.isfinite(pause.ttl_seconds) and pause.ttl_seconds >= 0):
+            # NaN compares false both ways: unchecked it would read as "no deadline" below.
+            raise InvalidArgument("a pause ttl must be a finite, non-negative number of seconds")
         async with self.db.transaction() as con:
             moved = await con.fetchrow(
                 "pause_run",
@@ -333,3 +317,41 @@ async def _event(con: Conn, scope: Scope, run_id: str, kind: str, revision: int,
     await con.execute(
         "insert_run_event", uuid.uuid4(), run_id, scope.app, scope.tenant, kind, revision, json.dumps(data)
     )
+
+
+async def create_run_in(
+    con: Conn, scope: Scope, new: NewRun, lease: Lease | None = None, first: Progress | None = None
+) -> CreatedRun:
+    """``RunStore.create_run`` inside a transaction the caller holds."""
+    require_scope(scope)
+    check_new_run(new, lease, first)
+    wanted = start_digest(scope, new)
+    row = await con.fetchrow(
+        "create_run",
+        new.run_id,
+        scope.app,
+        scope.tenant,
+        new.agent_id,
+        new.input,
+        rows.dump(new.config),
+        None if new.script is None else rows.dump_list(rows.SCRIPT, new.script),
+        new.pause_ttl_seconds,
+        new.session_id or new.run_id,
+        wanted,
+        lease.owner if lease is not None else None,
+        lease.ttl_seconds if lease is not None else None,
+    )
+    if row is None:
+        existing = await con.fetchrow("run_start_digest", new.run_id)
+        if (
+            existing is None
+            or existing["start_digest"] != wanted
+            or (existing["app"], existing["tenant"]) != (scope.app, scope.tenant)
+        ):
+            raise RunExists(f"run id {new.run_id} holds a different run")
+        stored = await con.fetchrow("get_run", new.run_id, scope.app, scope.tenant)
+        assert stored is not None
+        return CreatedRun(rows.run_from_row(stored), fresh=False)
+    if first is not None:
+        await save_progress_in(con, scope, first)
+    return CreatedRun(rows.run_from_row(row), fresh=True)

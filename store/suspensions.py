@@ -8,6 +8,7 @@ followed by a separate write is exactly the race these methods exist to close.
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 
 import asyncpg
@@ -55,8 +56,8 @@ class SuspensionStore:
         With ``ttl_seconds`` the deadline is the database clock plus it; otherwise ``s.expires_at``.
         """
         require_scope(scope)
-        if ttl_seconds is not None and ttl_seconds < 0:
-            raise InvalidArgument("ttl_seconds must not be negative")
+        if ttl_seconds is not None and not (math.isfinite(ttl_seconds) and ttl_seconds >= 0):
+            raise InvalidArgument("ttl_seconds must be a finite, non-negative number of seconds")
         async with self.db.transaction() as con:
             try:
                 row = await con.fetchrow(
@@ -135,8 +136,10 @@ class SuspensionStore:
             row = await con.fetchrow("claim_suspension", run_id, scope.app, scope.tenant, None)
             if row is None:
                 await refuse_claim(con, scope, run_id, None)
-        assert row is not None
-        return _claimed(row)
+            assert row is not None
+            # Decoded INSIDE the transaction: a pause that cannot be read rolls its claim back rather than
+            # leaving the run running with nobody holding it.
+            return _claimed(row)
 
     async def claim_expired_suspension(self, scope: Scope, run_id: str, now: datetime) -> Suspension:
         """``claim_suspension``'s mirror for the expiry sweep: the same move, conditioned on the deadline
@@ -148,9 +151,9 @@ class SuspensionStore:
         require_scope(scope)
         async with self.db.transaction() as con:
             row = await con.fetchrow("claim_suspension", run_id, scope.app, scope.tenant, now)
-        if row is None:
-            raise NotSuspended(f"run {run_id} has no expired pause to claim at scope {scope}")
-        return _claimed(row)
+            if row is None:
+                raise NotSuspended(f"run {run_id} has no expired pause to claim at scope {scope}")
+            return _claimed(row)  # inside the transaction, as in claim_suspension
 
     async def claim_suspension_version(self, scope: Scope, version: ClaimVersion) -> Suspension:
         """The claim fenced on (run, suspension, revision): a later pause of the same run never satisfies

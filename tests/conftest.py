@@ -65,9 +65,7 @@ async def make_stores(database_url: str) -> AsyncIterator[MakeStores]:
     opened: list[Stores] = []
 
     async def make(n: int) -> list[Stores]:
-        batch = await asyncio.gather(
-            *(Stores.connect(database_url, min_size=1, max_size=1) for _ in range(n))
-        )
+        batch = await asyncio.gather(*(Stores.connect(database_url, min_size=1, max_size=1) for _ in range(n)))
         opened.extend(batch)
         return list(batch)
 

@@ -44,7 +44,10 @@ SELECT id, run_id, app, tenant, reason, pending, continuation, checkpoint_id, ap
 -- The atomic paused -> running move, conditioned in ONE statement on a live pause at the exact scope:
 -- unpinned, unleased (the seed's ClaimSuspension), or, with $4 set, only a pause expired by $4 and by the
 -- database clock (ClaimExpiredSuspension). Every claimer of a run contends on its row lock; the loser
--- re-checks state = 'paused' after the winner commits and matches nothing.
+-- re-checks state = 'paused' after the winner commits and matches nothing. The re-check also pins the
+-- revision this statement's snapshot read (an InitPlan, evaluated once): a claimer that waited while the
+-- run was claimed AND paused again finds 'paused' once more, but its suspension check and the row it would
+-- return are the OLD pause's, so it must not claim the new one (tests: test_unpinned_claim_waiting_...).
 -- $1 run_id, $2 app, $3 tenant, $4 expired_by (NULL: only an unexpired pause)
 WITH claimed AS (
     UPDATE runs r

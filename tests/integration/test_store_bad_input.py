@@ -1,0 +1,371 @@
+"""Bad input to every store method gets its typed error, and nothing is written.
+
+A bad scope must be refused BEFORE any database access: those calls go to stores whose pool is already
+closed, where any statement would surface as StoreUnavailable (the control shows it does). Everything
+else runs against the live database and compares every row of every table before and after.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from schemas.errors import (
+    InvalidArgument,
+    InvalidContinuation,
+    InvalidScope,
+    NotSuspended,
+    ProgressNotFound,
+    RunLeaseLost,
+    RunNotFound,
+    StoreUnavailable,
+)
+from schemas.names import RunEventKind
+from schemas.run import Lease, NewRun
+from schemas.scope import Scope
+from schemas.suspension import ClaimVersion, LeasedClaim, PendingCall, Progress, SuspendReason, Suspension
+from store import Stores
+from store.runs import Pause
+from tests.factories import continuation, lease, paused_run, running_run
+from tests.integration.test_store_support import (
+    FAR_FUTURE,
+    Inspector,
+    closed_stores,
+    inspector,
+    leased,
+    pin,
+    snapshot_for,
+    unvalidated_scope,
+)
+
+pytestmark = pytest.mark.integration
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+RUN = "run-bad-input"
+VERSION = ClaimVersion(run_id=RUN, suspension_id=1, run_revision=1)
+
+Call = Callable[[Stores, Any], Awaitable[object]]
+
+
+def _pause() -> Pause:
+    return Pause(SuspendReason.EXTERNAL_TOOL, [PendingCall(id="c1", name="lookup")], continuation())
+
+
+# Every store method that takes a scope, called with arguments that are fine in every other respect.
+SCOPED_CALLS: dict[str, Call] = {
+    "create_suspension": lambda s, sc: s.suspensions.create_suspension(
+        sc, Suspension(run_id=RUN, scope=Scope(app="a", tenant="t"), reason=SuspendReason.APPROVAL)
+    ),
+    "get_suspension": lambda s, sc: s.suspensions.get_suspension(sc, RUN),
+    "delete_suspension": lambda s, sc: s.suspensions.delete_suspension(sc, RUN),
+    "list_expired": lambda s, sc: s.suspensions.list_expired(sc, NOW, 10),
+    "claim_suspension": lambda s, sc: s.suspensions.claim_suspension(sc, RUN),
+    "claim_expired_suspension": lambda s, sc: s.suspensions.claim_expired_suspension(sc, RUN, NOW),
+    "claim_suspension_version": lambda s, sc: s.suspensions.claim_suspension_version(sc, VERSION),
+    "claim_suspension_leased": lambda s, sc: s.suspensions.claim_suspension_leased(
+        sc, LeasedClaim(version=VERSION, lease=Lease(owner="w", ttl_seconds=30))
+    ),
+    "save_progress": lambda s, sc: s.progress.save_progress(sc, Progress(run_id=RUN, owner="w")),
+    "get_progress": lambda s, sc: s.progress.get_progress(sc, RUN),
+    "delete_progress": lambda s, sc: s.progress.delete_progress(sc, RUN),
+    "create_run": lambda s, sc: s.runs.create_run(sc, NewRun(run_id=RUN, agent_id="demo")),
+    "get_run": lambda s, sc: s.runs.get_run(sc, RUN),
+    "renew_lease": lambda s, sc: s.runs.renew_lease(sc, RUN, Lease(owner="w", ttl_seconds=30)),
+    "release_lease": lambda s, sc: s.runs.release_lease(sc, RUN, "w"),
+    "claim_continuation_leased": lambda s, sc: s.runs.claim_continuation_leased(
+        sc, RUN, Lease(owner="w", ttl_seconds=30)
+    ),
+    "pause_run": lambda s, sc: s.runs.pause_run(sc, RUN, "w", _pause()),
+    "end_run": lambda s, sc: s.runs.end_run(sc, RUN, "w", RunEventKind.COMPLETED),
+    "list_run_events": lambda s, sc: s.runs.list_run_events(sc, RUN),
+}
+
+BAD_SCOPES: dict[str, object] = {
+    "none": None,
+    "zero": unvalidated_scope(),
+    "empty-app": unvalidated_scope(app="", tenant="t1"),
+    "empty-tenant": unvalidated_scope(app="acme", tenant=""),
+    "space": unvalidated_scope(app="ac me", tenant="t1"),
+    "dot": unvalidated_scope(app="acme", tenant="t.1"),
+    "too-long": unvalidated_scope(app="a" * 65, tenant="t1"),
+    "non-ascii": unvalidated_scope(app="acmé", tenant="t1"),
+    "trailing-newline": unvalidated_scope(app="acme\n", tenant="t1"),
+    "not-a-string": unvalidated_scope(app=7, tenant="t1"),
+    "a-dict": {"app": "acme", "tenant": "t1"},
+}
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[Inspector]:
+    async with inspector(database_url) as i:
+        yield i
+
+
+@pytest.fixture
+async def dead(pg_server: str) -> Stores:
+    # Any database will do for a pool that is closed before it is used (no fresh database needed).
+    return await closed_stores(pg_server)
+
+
+@pytest.mark.parametrize("method", sorted(SCOPED_CALLS))
+async def test_the_closed_pool_control_proves_a_valid_scope_reaches_the_database(
+    dead: Stores, scope: Scope, method: str
+) -> None:
+    with pytest.raises(StoreUnavailable):
+        await SCOPED_CALLS[method](dead, scope)
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_SCOPES))
+async def test_every_scoped_method_refuses_a_bad_scope_before_any_database_access(dead: Stores, bad: str) -> None:
+    not_refused: list[str] = []
+    for method, call in SCOPED_CALLS.items():
+        try:
+            await call(dead, BAD_SCOPES[bad])
+        except InvalidScope:
+            continue
+        except Exception as exc:  # a StoreUnavailable here means the database WAS reached
+            not_refused.append(f"{method}: {exc!r}")
+        else:
+            not_refused.append(f"{method}: returned")
+    assert not_refused == []
+
+
+async def test_bad_limits_and_ttls_and_half_leases_are_refused_before_any_database_access(
+    dead: Stores, scope: Scope
+) -> None:
+    for limit in (-1, -100):
+        with pytest.raises(InvalidArgument):
+            await dead.suspensions.list_expired(scope, NOW, limit)
+        with pytest.raises(InvalidArgument):
+            await dead.suspensions.list_expired_across_scopes(NOW, limit)
+    for limit in (0, -1):
+        with pytest.raises(InvalidArgument):
+            await dead.runs.reclaim_lapsed(lease(), limit)
+    s = Suspension(run_id=RUN, scope=scope, reason=SuspendReason.APPROVAL)
+    for ttl in (-1.0, math.nan, math.inf):
+        with pytest.raises(InvalidArgument):
+            await dead.suspensions.create_suspension(scope, s, ttl_seconds=ttl)
+    for half in (Lease(owner="w"), Lease(ttl_seconds=30), Lease(), Lease(owner="w", ttl_seconds=-5)):
+        with pytest.raises(RunLeaseLost):
+            await dead.suspensions.claim_suspension_leased(scope, LeasedClaim(version=VERSION, lease=half))
+        with pytest.raises(RunLeaseLost):
+            await dead.runs.claim_continuation_leased(scope, RUN, half)
+        with pytest.raises(RunLeaseLost):
+            await dead.runs.renew_lease(scope, RUN, half)
+        with pytest.raises(RunLeaseLost):
+            await dead.runs.create_run(scope, NewRun(run_id=RUN, agent_id="demo"), half)
+        with pytest.raises(RunLeaseLost):
+            await dead.runs.reclaim_lapsed(half, 10)
+    with pytest.raises(RunLeaseLost):
+        await dead.progress.save_progress(scope, Progress(run_id=RUN, owner=""))
+
+
+async def test_a_missing_run_gets_its_typed_error_and_nothing_is_written(
+    stores: Stores, db: Inspector, scope: Scope
+) -> None:
+    await paused_run(stores, scope)
+    await running_run(stores, scope)
+    before = await db.snapshot()
+    missing = "run-that-does-not-exist"
+    version = ClaimVersion(run_id=missing, suspension_id=1, run_revision=1)
+    held = lease()
+    claim = LeasedClaim(version=version, lease=held)
+
+    refusals: list[tuple[type[Exception], Callable[[], Awaitable[object]]]] = [
+        (RunNotFound, lambda: stores.runs.get_run(scope, missing)),
+        (NotSuspended, lambda: stores.suspensions.get_suspension(scope, missing)),
+        (NotSuspended, lambda: stores.suspensions.delete_suspension(scope, missing)),
+        (NotSuspended, lambda: stores.suspensions.claim_suspension(scope, missing)),
+        (NotSuspended, lambda: stores.suspensions.claim_expired_suspension(scope, missing, FAR_FUTURE)),
+        (NotSuspended, lambda: stores.suspensions.claim_suspension_version(scope, version)),
+        (NotSuspended, lambda: stores.suspensions.claim_suspension_leased(scope, claim)),
+        (
+            RunNotFound,
+            lambda: stores.suspensions.create_suspension(
+                scope, Suspension(run_id=missing, scope=scope, reason=SuspendReason.APPROVAL)
+            ),
+        ),
+        (RunNotFound, lambda: stores.runs.claim_continuation_leased(scope, missing, held)),
+        (ProgressNotFound, lambda: stores.progress.get_progress(scope, missing)),
+        (RunLeaseLost, lambda: stores.progress.save_progress(scope, snapshot_for(missing, held.owner))),
+        (RunLeaseLost, lambda: stores.runs.renew_lease(scope, missing, held)),
+        (RunLeaseLost, lambda: stores.runs.pause_run(scope, missing, held.owner, _pause())),
+        (RunLeaseLost, lambda: stores.runs.end_run(scope, missing, held.owner, RunEventKind.FAILED, error="x")),
+    ]
+    for error, call in refusals:
+        with pytest.raises(error):
+            await call()
+    assert await stores.runs.release_lease(scope, missing, held.owner) is False
+    assert await stores.runs.list_run_events(scope, missing) == []
+    await stores.progress.delete_progress(scope, missing)
+
+    assert await db.snapshot() == before
+
+
+async def test_bad_arguments_on_live_runs_are_refused_and_nothing_is_written(
+    stores: Stores, db: Inspector, scope: Scope
+) -> None:
+    p = await paused_run(stores, scope)
+    run, held = await running_run(stores, scope)
+    before = await db.snapshot()
+    other = lease()
+
+    # A first snapshot for another run than the one claimed or created.
+    with pytest.raises(InvalidArgument):
+        await stores.suspensions.claim_suspension_leased(
+            scope, LeasedClaim(version=pin(p), lease=other, first=snapshot_for(run.id, other.owner))
+        )
+    with pytest.raises(InvalidArgument):
+        await stores.runs.create_run(
+            scope, NewRun(run_id="run-new", agent_id="demo"), other, snapshot_for(run.id, other.owner)
+        )
+    # A first snapshot owned by someone other than the lease owner.
+    with pytest.raises(RunLeaseLost):
+        await stores.suspensions.claim_suspension_leased(
+            scope, LeasedClaim(version=pin(p), lease=other, first=snapshot_for(p.run.id, "someone-else"))
+        )
+    with pytest.raises(RunLeaseLost):
+        await stores.runs.create_run(
+            scope, NewRun(run_id="run-new", agent_id="demo"), other, snapshot_for("run-new", "someone-else")
+        )
+    with pytest.raises(RunLeaseLost):
+        await stores.runs.claim_continuation_leased(scope, run.id, other, snapshot_for(run.id, "someone-else"))
+    # A pause with nothing pending, or with a deadline that is no duration.
+    with pytest.raises(InvalidArgument):
+        await stores.runs.pause_run(scope, run.id, held.owner, Pause(SuspendReason.APPROVAL, [], continuation()))
+    for ttl in (-1.0, math.nan, math.inf):
+        with pytest.raises(InvalidArgument):
+            await stores.runs.pause_run(
+                scope,
+                run.id,
+                held.owner,
+                Pause(SuspendReason.APPROVAL, [PendingCall(id="c", name="n")], continuation(), ttl_seconds=ttl),
+            )
+    # "resumed" is an event, not an end.
+    with pytest.raises(InvalidArgument):
+        await stores.runs.end_run(scope, run.id, held.owner, RunEventKind.RESUMED)
+    # An empty owner never holds a lease.
+    for call in (
+        lambda: stores.progress.save_progress(scope, snapshot_for(run.id, "")),
+        lambda: stores.runs.pause_run(scope, run.id, "", _pause()),
+        lambda: stores.runs.end_run(scope, run.id, "", RunEventKind.COMPLETED),
+    ):
+        with pytest.raises(RunLeaseLost):
+            await call()
+    assert await stores.runs.release_lease(scope, run.id, "") is False
+
+    assert await db.snapshot() == before
+
+
+async def test_a_first_snapshot_for_another_run_is_refused_by_a_continuation_claim(
+    stores: Stores, db: Inspector, scope: Scope
+) -> None:
+    """The takeover's first snapshot must be the taken run's: one the same worker happens to hold a lease on
+    must not be written instead."""
+    run, _ = await running_run(stores, scope, holder=lease(ttl=0.001))
+    await db.wait_lease_lapsed(run.id)
+    heir = lease()
+    elsewhere, _ = await running_run(stores, scope, holder=heir)  # the heir also holds this one
+    before = await db.snapshot()
+
+    with pytest.raises(InvalidArgument):
+        await stores.runs.claim_continuation_leased(scope, run.id, heir, snapshot_for(elsewhere.id, heir.owner))
+
+    assert await db.snapshot() == before
+
+
+# --- malformed rows -------------------------------------------------------------------------------------
+
+BAD_CONTINUATIONS = [
+    '"not an object"',
+    "[]",
+    "null",
+    '{"prepared": "!!! not base64 !!!"}',
+    '{"messages": [{"role": "robot", "content": "hi"}]}',
+    '{"step_index": "three"}',
+    '{"config": {"tools_restricted": "maybe"}}',
+    '{"tool_results": [{"outcome": "completed"}]}',
+]
+
+
+@pytest.mark.parametrize("bad", BAD_CONTINUATIONS)
+async def test_a_malformed_suspension_row_is_invalid_continuation_and_a_claim_writes_nothing(
+    stores: Stores, db: Inspector, scope: Scope, bad: str
+) -> None:
+    p = await paused_run(stores, scope)
+    await db.con.execute("UPDATE suspensions SET continuation = $2::jsonb WHERE run_id = $1", p.run.id, bad)
+    before = await db.snapshot()
+
+    with pytest.raises(InvalidContinuation):
+        await stores.suspensions.get_suspension(scope, p.run.id)
+    # A claim that cannot read the pause it would claim must not claim it: the run stays paused.
+    with pytest.raises(InvalidContinuation):
+        await stores.suspensions.claim_suspension(scope, p.run.id)
+    with pytest.raises(InvalidContinuation):
+        await stores.suspensions.claim_suspension_version(scope, pin(p))
+    with pytest.raises(InvalidContinuation):
+        await stores.suspensions.claim_suspension_leased(scope, leased(p))
+
+    assert await db.snapshot() == before
+    assert (await db.run(p.run.id))["state"] == "paused"
+
+
+async def test_a_malformed_expired_row_is_invalid_continuation_for_the_sweepers_list_and_claim(
+    stores: Stores, db: Inspector, scope: Scope
+) -> None:
+    p = await paused_run(stores, scope, ttl_seconds=0.001)
+    await db.wait_pause_expired(p.run.id)
+    await db.con.execute('UPDATE suspensions SET pending = \'{"not": "a list"}\' WHERE run_id = $1', p.run.id)
+    before = await db.snapshot()
+
+    with pytest.raises(InvalidContinuation):
+        await stores.suspensions.list_expired(scope, FAR_FUTURE, None)
+    with pytest.raises(InvalidContinuation):
+        await stores.suspensions.list_expired_across_scopes(FAR_FUTURE, None)
+    with pytest.raises(InvalidContinuation):
+        await stores.suspensions.claim_expired_suspension(scope, p.run.id, FAR_FUTURE)
+    with pytest.raises(InvalidContinuation):
+        await stores.suspensions.claim_suspension_leased(scope, leased(p, expired_by=FAR_FUTURE))
+
+    assert await db.snapshot() == before
+
+
+BAD_PROGRESS_COLUMNS = [
+    ("continuation", '{"usage": {"input_tokens": "many"}}'),
+    ("started", '[{"name": "no id"}]'),
+    ("done", '{"call_id": "c1"}'),
+    ("ending", '{"kind": "explode"}'),
+    ("approved", "[1, 2]"),
+]
+
+
+@pytest.mark.parametrize(("column", "bad"), BAD_PROGRESS_COLUMNS)
+async def test_a_malformed_progress_row_is_invalid_continuation_and_a_reclaim_writes_nothing(
+    stores: Stores, db: Inspector, scope: Scope, column: str, bad: str
+) -> None:
+    run, held = await running_run(stores, scope)
+    await stores.progress.save_progress(scope, snapshot_for(run.id, held.owner))
+    await stores.runs.renew_lease(scope, run.id, held.model_copy(update={"ttl_seconds": 0.001}))
+    await db.wait_lease_lapsed(run.id)
+    quoted = await db.con.fetchval("SELECT quote_ident($1)", column)
+    await db.con.execute(f"UPDATE progress SET {quoted} = $2::jsonb WHERE run_id = $1", run.id, bad)
+    before = await db.snapshot()
+
+    with pytest.raises(InvalidContinuation):
+        await stores.progress.get_progress(scope, run.id)
+    with pytest.raises(InvalidContinuation):
+        await stores.runs.reclaim_lapsed(lease(), 10)
+
+    assert await db.snapshot() == before
+
+
+async def test_a_malformed_run_config_is_invalid_continuation(stores: Stores, db: Inspector, scope: Scope) -> None:
+    run, _ = await running_run(stores, scope)
+    await db.con.execute('UPDATE runs SET config = \'{"tools": "all"}\' WHERE id = $1', run.id)
+
+    with pytest.raises(InvalidContinuation):
+        await stores.runs.get_run(scope, run.id)
