@@ -22,6 +22,11 @@ class Settings(BaseSettings):
     lease_renew_seconds: float = Field(default=10.0, gt=0)
     reclaim_interval_seconds: float = Field(default=5.0, gt=0)
     reclaim_batch: int = Field(default=32, ge=1, le=1000)
+    relay_batch: int = Field(default=256, ge=1, le=10000)
+    # The poll that backs up LISTEN/NOTIFY.
+    relay_poll_seconds: float = Field(default=5.0, gt=0)
+    # How long a publisher waits for a batch's confirms before retrying it.
+    publish_timeout_seconds: float = Field(default=10.0, gt=0)
     sweep_interval_seconds: float = Field(default=60.0, gt=0)
     sweep_batch: int = Field(default=100, ge=1, le=10000)
     # The deadline of a pause; 0 means pauses never expire.

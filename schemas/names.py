@@ -57,6 +57,11 @@ def notice_key(reason: SuspendReason, scope: Scope) -> str:
     return f"notice.{reason.value}.{scope.routing_suffix()}"
 
 
+def notice_binding(reason: SuspendReason) -> str:
+    """Every scope's notices of one reason, as a topic binding (scope parts hold no dots)."""
+    return f"notice.{reason.value}.*.*"
+
+
 def run_event_key(kind: RunEventKind, scope: Scope) -> str:
     return f"run.{kind.value}.{scope.routing_suffix()}"
 

@@ -12,6 +12,9 @@ from schemas.scope import Scope
 from store import Stores
 from tests import pg
 
+# RabbitMQ fixtures: a vhost per test, captures, real test users, a broker restart.
+pytest_plugins = ["tests.amqp"]
+
 MakeStores = Callable[[int], Awaitable[list[Stores]]]
 
 

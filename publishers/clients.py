@@ -1,0 +1,430 @@
+"""The clients hosts and the messaging bus use: send commands, hear events.
+
+A host starts, resumes, decides and cancels runs, and subscribes to its scope's notices and run events::
+
+    scope = Scope(app="billing", tenant="acme")
+    async with await HostClient.connect("amqp://host:secret@rabbit/", name="billing-host") as host:
+        async with host.subscribe(scope) as events:
+            await host.start(StartCommand(scope=scope, run_id="run-1", agent_id="demo", input="hi"))
+            async for received in events:
+                notice = received.event
+                if isinstance(notice, Notice) and notice.reason is SuspendReason.EXTERNAL_TOOL:
+                    answers = [ToolAnswer(call_id=call.id, content=run_tool(call)) for call in notice.pending]
+                    await host.resume(ResumeCommand(scope=scope, version=version_of(notice), results=answers))
+
+The bus answers ``agent_reply`` pauses::
+
+    async with await BusClient.connect("amqp://intermission-bus:secret@rabbit/") as bus:
+        async with bus.subscribe() as notices:  # every scope's agent_reply notices
+            async for received in notices:
+                notice = received.event
+                call = notice.pending[0]
+                await bus.reply(notice.scope, version_of(notice), call.reply_with, encoded_reply)
+
+Every command is published with publisher confirms (a method returns only once the broker has the
+command) and with ``mandatory`` (a command no queue takes fails loudly instead of vanishing). Each carries
+``user_id``: the connection's own user, which RabbitMQ checks against the authenticated user and refuses
+(``PRECONDITION_FAILED``, the channel is closed) if it differs. That check is what lets the fleet trust
+a reply's or a decision's ``user_id``: a host cannot forge the bus's.
+
+Subscriptions deduplicate on ``message_id``: the relay delivers every event at least once, always under
+the same id. By default a subscription reads from an exclusive, auto-deleted queue, which exists only while
+the client is connected; a host that must not miss a notice while it is away names a ``durable_queue``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from types import TracebackType
+from typing import Any, Generic, Self, TypeVar
+
+from aio_pika.abc import (
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustChannel,
+    AbstractRobustConnection,
+    ConsumerTag,
+)
+from pydantic import BaseModel, ValidationError
+from yarl import URL
+
+from publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher, connect, json_message
+from schemas.commands import CancelCommand, DecideCommand, ReplyCommand, ResumeCommand, StartCommand
+from schemas.events import CommandRejected, RunEvent
+from schemas.names import (
+    COMMANDS_EXCHANGE,
+    EVENTS_EXCHANGE,
+    Command,
+    RunEventKind,
+    notice_binding,
+    notice_key,
+    rejected_key,
+    run_event_key,
+)
+from schemas.scope import Scope, require_scope
+from schemas.suspension import ClaimVersion, Notice, SuspendReason
+
+log = logging.getLogger("intermission.clients")
+
+E = TypeVar("E")
+
+HostEvent = Notice | RunEvent | CommandRejected
+
+
+def version_of(notice: Notice) -> ClaimVersion:
+    """The claim pin that answers ``notice``: its run, its pause and the revision it paused at."""
+    return ClaimVersion(run_id=notice.run_id, suspension_id=notice.suspension_id, run_revision=notice.run_revision)
+
+
+class EventKind(StrEnum):
+    """What a host subscription hears."""
+
+    NOTICE = "notice"  # notice.<reason>.<app>.<tenant>: a run paused
+    RUN = "run"  # run.<kind>.<app>.<tenant>: a run resumed or ended
+    REJECTED = "rejected"  # command.rejected.<app>.<tenant>: a command was refused
+
+
+ALL_KINDS: frozenset[EventKind] = frozenset(EventKind)
+
+
+@dataclass(frozen=True)
+class Received(Generic[E]):
+    """One event as delivered: its typed body and the message's identity."""
+
+    event: E
+    message_id: str | None
+    routing_key: str
+    correlation_id: str | None
+    headers: Mapping[str, Any]
+
+
+class _Seen:
+    """The last ``limit`` message ids, to drop re-deliveries of an event already handed out."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def first_time(self, message_id: str) -> bool:
+        if message_id in self._ids:
+            self._ids.move_to_end(message_id)
+            return False
+        self._ids[message_id] = None
+        while len(self._ids) > self._limit:
+            self._ids.popitem(last=False)
+        return True
+
+
+class Subscription(Generic[E]):
+    """Events from ``intermission.events`` for some routing keys: an async context manager that yields an
+    async iterator of ``Received`` events, each ``message_id`` at most once (of the last ``remember``).
+
+    A message whose body does not decode is logged and skipped. Each message is acknowledged when the
+    iterator hands it out; ``prefetch`` bounds how many wait unread.
+    """
+
+    def __init__(
+        self,
+        connection: AbstractRobustConnection,
+        bindings: Collection[str],
+        decode: Callable[[str, bytes], E],
+        *,
+        durable_queue: str | None = None,
+        prefetch: int = 64,
+        remember: int = 10_000,
+    ) -> None:
+        self._connection = connection
+        self._bindings = list(bindings)
+        self._decode = decode
+        self._durable_queue = durable_queue
+        self._prefetch = prefetch
+        self._seen = _Seen(remember)
+        self._inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+        self._channel: AbstractRobustChannel | None = None
+        self._queue: AbstractQueue | None = None
+        self._tag: ConsumerTag | None = None
+
+    async def __aenter__(self) -> Self:
+        channel = self._connection.channel(publisher_confirms=False)
+        await channel
+        self._channel = channel
+        await channel.set_qos(prefetch_count=self._prefetch)
+        if self._durable_queue is not None:
+            queue = await channel.declare_queue(self._durable_queue, durable=True, arguments={"x-queue-type": "quorum"})
+        else:
+            # aio-pika names it (amq_<hex>) on the client side, so after a reconnect the robust channel
+            # declares the same name again, replays the bindings and resumes consuming.
+            queue = await channel.declare_queue(None, exclusive=True, auto_delete=True)
+        for key in self._bindings:
+            await queue.bind(EVENTS_EXCHANGE, key)
+        self._queue = queue
+        self._tag = await queue.consume(self._arrived)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        channel, self._channel = self._channel, None
+        if channel is None or channel.is_closed:
+            return
+        with contextlib.suppress(*TRANSIENT_AMQP_ERRORS):
+            if self._queue is not None and self._tag is not None:
+                await self._queue.cancel(self._tag)
+        with contextlib.suppress(*TRANSIENT_AMQP_ERRORS):
+            await channel.close()
+
+    @property
+    def queue_name(self) -> str:
+        assert self._queue is not None, "enter the subscription first"
+        return self._queue.name
+
+    async def _arrived(self, message: AbstractIncomingMessage) -> None:
+        await self._inbox.put(message)
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Received[E]:
+        while True:
+            message = await self._inbox.get()
+            # Acknowledged as it is handed out (or dropped); a channel that closed meanwhile redelivers it
+            # on a durable queue, and the id check below drops the copy.
+            with contextlib.suppress(*TRANSIENT_AMQP_ERRORS):
+                await message.ack()
+            key = message.routing_key or ""
+            if message.message_id is not None and not self._seen.first_time(message.message_id):
+                continue
+            try:
+                event = self._decode(key, message.body)
+            except (ValidationError, KeyError) as exc:
+                log.warning(
+                    "undecodable event skipped",
+                    extra={
+                        "action": "event_skipped",
+                        "routing_key": key,
+                        "message_id": message.message_id,
+                        "error": type(exc).__name__,
+                    },
+                )
+                continue
+            return Received(
+                event=event,
+                message_id=message.message_id,
+                routing_key=key,
+                correlation_id=message.correlation_id,
+                headers=dict(message.headers),
+            )
+
+
+def host_bindings(scope: Scope, kinds: Collection[EventKind] = ALL_KINDS) -> dict[str, type[BaseModel]]:
+    """The exact routing keys a host subscription to ``scope`` binds, each with its body type. Exact keys
+    (one per reason and per run event kind) rather than wildcards: only this scope's events can match."""
+    require_scope(scope)
+    keys: dict[str, type[BaseModel]] = {}
+    if EventKind.NOTICE in kinds:
+        keys.update({notice_key(reason, scope): Notice for reason in SuspendReason})
+    if EventKind.RUN in kinds:
+        keys.update({run_event_key(kind, scope): RunEvent for kind in RunEventKind})
+    if EventKind.REJECTED in kinds:
+        keys[rejected_key(scope)] = CommandRejected
+    return keys
+
+
+class _CommandClient:
+    """Publishes commands to ``intermission.commands`` with confirms, as ``user_id``."""
+
+    def __init__(
+        self,
+        connection: AbstractRobustConnection,
+        *,
+        user_id: str | None,
+        publish_timeout: float = 10.0,
+        owns_connection: bool = False,
+    ) -> None:
+        self.connection = connection
+        self.user_id = user_id
+        self._owns_connection = owns_connection
+        self._publisher = ConfirmingPublisher(connection, COMMANDS_EXCHANGE, mandatory=True, timeout=publish_timeout)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the client's channel, and its connection when the client opened it."""
+        await self._publisher.close()
+        if self._owns_connection:
+            await self.connection.close()
+
+    async def send(
+        self,
+        command: Command,
+        body: BaseModel,
+        *,
+        message_id: str | None = None,
+        correlation_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> str:
+        """Publish ``body`` under ``command`` and wait for the broker's confirm; returns the message id (a
+        fresh one unless given: re-send with the same id to make a retry idempotent). PublishFailed (the
+        broker's error chained) when the broker did not take it."""
+        chosen = message_id or str(uuid.uuid4())
+        await self._publisher.publish(
+            json_message(
+                body.model_dump_json(),
+                message_id=chosen,
+                routing_key=command.value,
+                correlation_id=correlation_id,
+                traceparent=traceparent,
+                user_id=self.user_id,
+            ),
+            command.value,
+        )
+        return chosen
+
+
+def _url_user(url: str) -> str:
+    # aio-pika logs in as guest when the URL names nobody.
+    return URL(url).user or "guest"
+
+
+class HostClient(_CommandClient):
+    """What a host uses: start, resume, decide and cancel runs; hear its scope's events.
+
+    ``user_id`` is the connection's user (RabbitMQ refuses any other); a decision on a pause that names
+    approvers counts only if it is one of them. Each method returns the command's ``message_id``.
+    """
+
+    @classmethod
+    async def connect(cls, url: str, *, name: str = "intermission-host", publish_timeout: float = 10.0) -> Self:
+        """A client over a robust connection of its own, closed with the client."""
+        connection = await connect(url, name)
+        return cls(connection, user_id=_url_user(url), publish_timeout=publish_timeout, owns_connection=True)
+
+    async def start(
+        self,
+        command: StartCommand,
+        *,
+        message_id: str | None = None,
+        correlation_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> str:
+        return await self.send(
+            Command.START, command, message_id=message_id, correlation_id=correlation_id, traceparent=traceparent
+        )
+
+    async def resume(
+        self,
+        command: ResumeCommand,
+        *,
+        message_id: str | None = None,
+        correlation_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> str:
+        return await self.send(
+            Command.RESUME, command, message_id=message_id, correlation_id=correlation_id, traceparent=traceparent
+        )
+
+    async def decide(
+        self,
+        command: DecideCommand,
+        *,
+        message_id: str | None = None,
+        correlation_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> str:
+        return await self.send(
+            Command.DECIDE, command, message_id=message_id, correlation_id=correlation_id, traceparent=traceparent
+        )
+
+    async def cancel(
+        self,
+        command: CancelCommand,
+        *,
+        message_id: str | None = None,
+        correlation_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> str:
+        return await self.send(
+            Command.CANCEL, command, message_id=message_id, correlation_id=correlation_id, traceparent=traceparent
+        )
+
+    def subscribe(
+        self,
+        scope: Scope,
+        kinds: Collection[EventKind] = ALL_KINDS,
+        *,
+        durable_queue: str | None = None,
+        prefetch: int = 64,
+    ) -> Subscription[HostEvent]:
+        """``scope``'s events of the given kinds, typed: Notice, RunEvent or CommandRejected."""
+        keys = host_bindings(scope, kinds)
+
+        def decode(routing_key: str, body: bytes) -> HostEvent:
+            model = keys[routing_key]
+            event = model.model_validate_json(body)
+            assert isinstance(event, Notice | RunEvent | CommandRejected)
+            return event
+
+        return Subscription(self.connection, keys, decode, durable_queue=durable_queue, prefetch=prefetch)
+
+
+class BusClient(_CommandClient):
+    """What the messaging bus uses: answer ``agent_reply`` pauses and hear about them.
+
+    Connect as the configured bus user (``INTERMISSION_BUS_USER``): a reply counts only when its
+    broker-validated ``user_id`` is that user.
+    """
+
+    @classmethod
+    async def connect(cls, url: str, *, name: str = "intermission-bus", publish_timeout: float = 10.0) -> Self:
+        """A client over a robust connection of its own, closed with the client."""
+        connection = await connect(url, name)
+        return cls(connection, user_id=_url_user(url), publish_timeout=publish_timeout, owns_connection=True)
+
+    async def reply(
+        self,
+        scope: Scope,
+        version: ClaimVersion,
+        reply_with: str,
+        input: str,
+        *,
+        message_id: str | None = None,
+        correlation_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> str:
+        """Answer the pause ``version`` names; ``input`` (the agent's encoded reply) is delivered to the run
+        byte for byte."""
+        return await self.send(
+            Command.REPLY,
+            ReplyCommand(scope=scope, version=version, reply_with=reply_with, input=input),
+            message_id=message_id,
+            correlation_id=correlation_id,
+            traceparent=traceparent,
+        )
+
+    def subscribe(
+        self, scope: Scope | None = None, *, durable_queue: str | None = None, prefetch: int = 64
+    ) -> Subscription[Notice]:
+        """``agent_reply`` notices of ``scope``, or of every scope when None."""
+        key = (
+            notice_key(SuspendReason.AGENT_REPLY, require_scope(scope))
+            if scope is not None
+            else notice_binding(SuspendReason.AGENT_REPLY)
+        )
+
+        def decode(_routing_key: str, body: bytes) -> Notice:
+            return Notice.model_validate_json(body)
+
+        return Subscription(self.connection, [key], decode, durable_queue=durable_queue, prefetch=prefetch)
