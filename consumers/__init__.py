@@ -1,0 +1,1 @@
+"""RabbitMQ consumers of the six command queues, all through one ack policy."""
