@@ -69,5 +69,19 @@ def worker_command() -> None:
         sys.exit(1)
 
 
+@main.command("sweeper")
+def sweeper_command() -> None:
+    """Run the expiry sweeper until SIGTERM: publish run.expire for every expired pause, in every scope."""
+    settings = load_settings()
+    configure_logs(settings.log_level)
+    from fleet.worker import sweep
+
+    try:
+        asyncio.run(sweep(settings))
+    except IntermissionError as exc:
+        click.echo(f"sweeper failed ({exc.code}): {exc.detail}", err=True)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     main()

@@ -1,35 +1,159 @@
-"""``intermission worker``: one process that runs claimed runs under leases and reclaims lapsed ones.
+"""``intermission worker``: consumers, the outbox relay and the fleet (with its reclaim sweep) in one
+process; and ``intermission sweeper``.
 
-Shutdown order on SIGTERM/SIGINT: stop taking work, let runs stop at their next boundary within the grace
-period (their leases are released for another worker), cancel what is left, close the pool.
+Start order: pool, broker connection, topology, fleet, relay, consumers. Stop order on SIGTERM/SIGINT is
+the reverse of the work's flow: stop consuming and let in-flight command transactions finish; let runs stop
+at their next boundary within the grace period (their leases are released for another worker); let the
+relay publish what those last transactions wrote; then close channel, connection and pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
+from aio_pika.abc import AbstractRobustConnection
+
+from consumers.handlers import CommandHandlers, WorkerHooks
+from consumers.policy import AckPolicy
+from consumers.rejection import Rejecter
+from consumers.service import CommandConsumers
+from fleet import faults
+from fleet.executor import Executor
 from fleet.plugins import load_executor
 from fleet.runtime import Fleet
 from fleet.settings import Settings
 from fleet.signals import stop_on_signals
+from fleet.topology import Topology, declare
+from publishers.amqp import connect
+from publishers.relay import OutboxRelay
+from publishers.sweeper import ExpirySweeper
 from store import Stores
+from store.commands import Claimed, RunDefaults
 
 log = logging.getLogger("intermission.worker")
 
 
-async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    stop = stop or asyncio.Event()
-    executor = load_executor(settings.executor)
-    stores = await Stores.connect(settings.database_url, max_size=settings.pool_max_size)
+@dataclass
+class Worker:
+    """A running worker's parts, for tests and tools that drive one in-process."""
+
+    settings: Settings
+    stores: Stores
+    connection: AbstractRobustConnection
+    topology: Topology
+    fleet: Fleet
+    consumers: CommandConsumers
+    relay: OutboxRelay
+
+    async def drain(self) -> None:
+        """Return when nothing is left to do here: no run in flight, nothing to reclaim, the outbox sent."""
+        while True:
+            await self.fleet.drain()
+            await self.relay.run_once()
+            if self.fleet.running == 0 and self.consumers.in_flight == 0:
+                return
+
+
+@asynccontextmanager
+async def running_worker(
+    settings: Settings, *, executor: Executor | None = None, stores: Stores | None = None
+) -> AsyncIterator[Worker]:
+    """A worker with everything started; stopped gracefully on leaving."""
+    own_stores = stores is None
+    if stores is None:
+        stores = await Stores.connect(settings.database_url, max_size=settings.pool_max_size)
+    fleet = Fleet(stores, settings, executor or load_executor(settings.executor))
+    connection = await connect(settings.amqp_url, f"intermission-worker {fleet.owner}")
     try:
-        fleet = Fleet(stores, settings, executor)
-        with stop_on_signals(stop):
-            await fleet.start()
-            log.info("worker started", extra={"action": "worker_started", "owner": fleet.owner})
-            await stop.wait()
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.set_qos(prefetch_count=settings.prefetch)
+        topology = await declare(channel, delivery_limit=settings.delivery_limit)
+        relay = OutboxRelay(
+            stores.db,
+            connection,
+            listen_dsn=settings.database_url,
+            batch_size=settings.relay_batch,
+            poll_seconds=settings.relay_poll_seconds,
+            publish_timeout=settings.publish_timeout_seconds,
+        )
+
+        def hand_over(claimed: Claimed) -> None:
+            fleet.submit(claimed)
+
+        policy = AckPolicy(
+            CommandHandlers(
+                stores,
+                WorkerHooks(
+                    lease=fleet.lease,
+                    defaults=RunDefaults(pause_ttl_seconds=settings.pause_ttl_seconds, max_steps=settings.max_steps),
+                    bus_user=settings.bus_user,
+                ),
+            ),
+            Rejecter(topology.events, topology.dead),
+            hand_over,
+            after_commit=lambda: faults.crash_point(faults.AFTER_COMMIT),
+        )
+        consumers = CommandConsumers(policy, topology.queues)
+        relay_stop = asyncio.Event()
+        await fleet.start()
+        relaying = asyncio.create_task(relay.serve(relay_stop), name="outbox-relay")
+        await consumers.start()
+        worker = Worker(settings, stores, connection, topology, fleet, consumers, relay)
+        log.info("worker started", extra={"action": "worker_started", "owner": fleet.owner})
+        try:
+            yield worker
+        finally:
             log.info("worker stopping", extra={"action": "worker_stopping", "running": fleet.running})
+            await consumers.stop(settings.shutdown_grace_seconds)
             await fleet.stop()
+            relay_stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(relaying, settings.shutdown_grace_seconds)
+            await relay.close()
+            with contextlib.suppress(Exception):
+                await channel.close()
     finally:
+        with contextlib.suppress(Exception):
+            await connection.close()
+        if own_stores:
+            await stores.close()
+        log.info("worker stopped", extra={"action": "worker_stopped"})
+
+
+async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
+    """Run a worker until SIGTERM/SIGINT (or ``stop``)."""
+    stop = stop or asyncio.Event()
+    with stop_on_signals(stop):
+        async with running_worker(settings):
+            await stop.wait()
+
+
+async def sweep(settings: Settings, stop: asyncio.Event | None = None) -> None:
+    """Run the expiry sweeper until SIGTERM/SIGINT: any number of sweepers may run at once."""
+    stop = stop or asyncio.Event()
+    stores = await Stores.connect(settings.database_url, max_size=2)
+    connection = await connect(settings.amqp_url, "intermission-sweeper")
+    try:
+        channel = await connection.channel()
+        await declare(channel, delivery_limit=settings.delivery_limit)
+        await channel.close()
+        sweeper = ExpirySweeper(
+            stores.db,
+            connection,
+            interval_seconds=settings.sweep_interval_seconds,
+            batch=settings.sweep_batch,
+        )
+        with stop_on_signals(stop):
+            log.info("sweeper started", extra={"action": "sweeper_started"})
+            await sweeper.serve(stop)
+        await sweeper.close()
+    finally:
+        with contextlib.suppress(Exception):
+            await connection.close()
         await stores.close()
-    log.info("worker stopped", extra={"action": "worker_stopped"})
+        log.info("sweeper stopped", extra={"action": "sweeper_stopped"})

@@ -1,0 +1,58 @@
+"""The envelope and body checks every command passes before any database access."""
+
+from __future__ import annotations
+
+import pytest
+
+from consumers.parsing import Delivery, check_envelope, parse_body
+from schemas.commands import ResumeCommand
+from schemas.errors import IntermissionError, InvalidMessage, InvalidScope, UnsupportedSchemaVersion
+
+GOOD = b'{"scope":{"app":"a","tenant":"t"},"version":{"run_id":"r","suspension_id":1,"run_revision":1},"results":[]}'
+
+
+def delivery(message_id: str | None = "m-1", headers: dict[str, object] | None = None) -> Delivery:
+    return Delivery(
+        message_id=message_id,
+        routing_key="run.resume",
+        body=GOOD,
+        headers={"x-schema-version": 1} if headers is None else headers,
+        user_id=None,
+        correlation_id=None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("envelope", "error"),
+    [
+        (delivery(message_id=None), InvalidMessage),
+        (delivery(message_id=""), InvalidMessage),
+        (delivery(message_id="x" * 257), InvalidMessage),
+        (delivery(headers={}), UnsupportedSchemaVersion),
+        (delivery(headers={"x-schema-version": 2}), UnsupportedSchemaVersion),
+        (delivery(headers={"x-schema-version": True}), UnsupportedSchemaVersion),
+    ],
+)
+def test_bad_envelopes_are_refused(envelope: Delivery, error: type[IntermissionError]) -> None:
+    with pytest.raises(error):
+        check_envelope(envelope)
+
+
+def test_a_good_envelope_passes() -> None:
+    assert check_envelope(delivery()) == "m-1"
+    assert check_envelope(delivery(headers={"x-schema-version": "1"})) == "m-1"
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (b"{not json", InvalidMessage),
+        (b"[]", InvalidMessage),
+        (GOOD.replace(b'"results":[]', b'"results":[],"extra":1'), InvalidMessage),  # unknown fields refused
+        (GOOD.replace(b'"app":"a"', b'"app":"a.b"'), InvalidScope),
+        (GOOD.replace(b'{"app":"a","tenant":"t"}', b"null"), InvalidScope),
+    ],
+)
+def test_bad_bodies_are_refused(body: bytes, error: type[IntermissionError]) -> None:
+    with pytest.raises(error):
+        parse_body(ResumeCommand, body)
