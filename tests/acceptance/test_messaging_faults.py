@@ -136,7 +136,7 @@ async def test_every_notice_arrives_after_a_rabbitmq_restart_while_runs_pause(
 ) -> None:
     # Each run sleeps a moment before it pauses, so the pauses commit while the broker is down.
     commands = [
-        start(scope, {"call": [{"tool": "sleep", "arguments": {"seconds": 1.5}}]}, {"call": [{"tool": "lookup"}]})
+        start(scope, {"call": [{"tool": "sleep", "arguments": {"seconds": 3}}]}, {"call": [{"tool": "lookup"}]})
         for _ in range(6)
     ]
     queue = f"test-notices-{uuid.uuid4().hex[:8]}"
