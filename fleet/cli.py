@@ -83,5 +83,26 @@ def sweeper_command() -> None:
         sys.exit(1)
 
 
+@main.command("demo")
+def demo_command() -> None:
+    """Play runs that pause for each reason on the local servers, and tell the story as it happens."""
+    settings = load_settings()
+    configure_logs("WARNING")
+    from fleet.demo import play
+
+    try:
+        completed = asyncio.run(play(settings, click.echo))
+    except IntermissionError as exc:
+        click.echo(f"demo failed ({exc.code}): {exc.detail}", err=True)
+        sys.exit(1)
+    except (OSError, ConnectionError) as exc:
+        click.echo(f"demo failed: cannot reach a server ({type(exc).__name__}: {exc})", err=True)
+        sys.exit(1)
+    except TimeoutError:
+        click.echo("demo failed: the runs did not finish within a minute", err=True)
+        sys.exit(1)
+    sys.exit(0 if completed == 3 else 1)
+
+
 if __name__ == "__main__":
     main()
