@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import click
 from pydantic import ValidationError
@@ -12,6 +14,8 @@ from fleet.logs import configure as configure_logs
 from fleet.settings import Settings
 from schemas.errors import IntermissionError
 from store.migrate import ensure_database, migrate
+
+T = TypeVar("T")
 
 
 def load_settings() -> Settings:
@@ -32,41 +36,42 @@ def main() -> None:
     """Intermission: durable pauses and exactly-once resumes for AI agent runs."""
 
 
+def run_or_exit(what: str, work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work``; a typed error or an unreachable server ends the process with a one-line reason."""
+    try:
+        return asyncio.run(work)
+    except IntermissionError as exc:
+        click.echo(f"{what} failed ({exc.code}): {exc.detail}", err=True)
+    except (OSError, ConnectionError) as exc:
+        click.echo(f"{what} failed: cannot reach a server ({type(exc).__name__}: {exc})", err=True)
+    sys.exit(1)
+
+
 @main.command("migrate")
 def migrate_command() -> None:
     """Create the database when it is missing, then apply every pending migration."""
     settings = load_settings()
 
     async def run() -> None:
-        created = await ensure_database(settings.database_url)
-        if created:
+        if await ensure_database(settings.database_url):
             click.echo("created the database")
         applied = await migrate(settings.database_url)
-        if applied:
-            for m in applied:
-                click.echo(f"applied {m.version:04d}_{m.name}")
-        else:
+        for m in applied:
+            click.echo(f"applied {m.version:04d}_{m.name}")
+        if not applied:
             click.echo("the database is up to date")
 
-    try:
-        asyncio.run(run())
-    except IntermissionError as exc:
-        click.echo(f"migrate failed ({exc.code}): {exc.detail}", err=True)
-        sys.exit(1)
+    run_or_exit("migrate", run())
 
 
 @main.command("worker")
 def worker_command() -> None:
-    """Run a worker until SIGTERM: continue claimed runs under leases, take over lapsed ones."""
+    """Run a worker until SIGTERM: consume commands, relay the outbox, run claimed runs, take over lapsed ones."""
     settings = load_settings()
     configure_logs(settings.log_level)
     from fleet.worker import serve
 
-    try:
-        asyncio.run(serve(settings))
-    except IntermissionError as exc:
-        click.echo(f"worker failed ({exc.code}): {exc.detail}", err=True)
-        sys.exit(1)
+    run_or_exit("worker", serve(settings))
 
 
 @main.command("sweeper")
@@ -76,11 +81,7 @@ def sweeper_command() -> None:
     configure_logs(settings.log_level)
     from fleet.worker import sweep
 
-    try:
-        asyncio.run(sweep(settings))
-    except IntermissionError as exc:
-        click.echo(f"sweeper failed ({exc.code}): {exc.detail}", err=True)
-        sys.exit(1)
+    run_or_exit("sweeper", sweep(settings))
 
 
 @main.command("demo")
@@ -88,18 +89,12 @@ def demo_command() -> None:
     """Play runs that pause for each reason on the local servers, and tell the story as it happens."""
     settings = load_settings()
     configure_logs("WARNING")
-    from fleet.demo import play
+    from fleet.demo import TIMEOUT_SECONDS, play
 
     try:
-        completed = asyncio.run(play(settings, click.echo))
-    except IntermissionError as exc:
-        click.echo(f"demo failed ({exc.code}): {exc.detail}", err=True)
-        sys.exit(1)
-    except (OSError, ConnectionError) as exc:
-        click.echo(f"demo failed: cannot reach a server ({type(exc).__name__}: {exc})", err=True)
-        sys.exit(1)
+        completed = run_or_exit("demo", play(settings, click.echo))
     except TimeoutError:
-        click.echo("demo failed: the runs did not finish within a minute", err=True)
+        click.echo(f"demo failed: the runs did not finish within {TIMEOUT_SECONDS:.0f} s", err=True)
         sys.exit(1)
     sys.exit(0 if completed == 3 else 1)
 

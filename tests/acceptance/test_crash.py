@@ -86,6 +86,22 @@ def start_steps(scope: Scope, script: list[dict[str, Any]]) -> tuple[list[StartC
     return commands, [{"kind": "start", "command": c.model_dump(mode="json")} for c in commands]
 
 
+async def created(stores: Stores, scope: Scope, commands: list[StartCommand]) -> list[str]:
+    """The runs whose start committed before the worker died. The plan starts runs one after another
+    while earlier ones already execute, so the crash can come before the last starts were applied: those
+    runs never existed, which is correct, and there is nothing to finish for them."""
+    async with stores.db.connection() as con:
+        found = await con.raw.fetch(
+            "SELECT id FROM runs WHERE id = ANY($1) AND app = $2 AND tenant = $3",
+            [c.run_id for c in commands],
+            scope.app,
+            scope.tenant,
+        )
+    existing = {r["id"] for r in found}
+    assert existing, "the worker died before any run started"
+    return [c.run_id for c in commands if c.run_id in existing]
+
+
 async def settle(stores: Stores, scope: Scope, survivor: Worker, run_ids: list[str]) -> None:
     """Let the survivor take over everything the dead worker held, check every run is ended or paused
     with exactly one pause and one Notice per pause, answer the pauses, and repeat until all ended."""
@@ -173,7 +189,7 @@ async def test_killed_after_a_non_retry_safe_call_started(
 ) -> None:
     commands, plan = start_steps(scope, CHARGE_THEN_LOOKUP)
     await crash_worker(database_url, plan, faults.AFTER_STARTED)
-    run_ids = [c.run_id for c in commands]
+    run_ids = await created(stores, scope, commands)
     # The worker died with its first charge handed over and the result unsaved.
     died_in = [r for r in run_ids if (await charges(stores, r)).get("call-0-0")]
     assert died_in, "no charge ran before the crash"
@@ -190,7 +206,7 @@ async def test_killed_after_a_non_retry_safe_call_started(
 async def test_killed_between_two_steps(stores: Stores, scope: Scope, database_url: str, survivor: Worker) -> None:
     commands, plan = start_steps(scope, ECHO_THEN_CHARGE)
     await crash_worker(database_url, plan, faults.BETWEEN_STEPS)
-    run_ids = [c.run_id for c in commands]
+    run_ids = await created(stores, scope, commands)
     await settle(stores, scope, survivor, run_ids)
     ledger = await assert_no_call_ran_twice(stores, scope, run_ids)
     for run_id in run_ids:
@@ -203,7 +219,7 @@ async def test_killed_right_after_a_pause_committed(
 ) -> None:
     commands, plan = start_steps(scope, CHARGE_THEN_LOOKUP)
     await crash_worker(database_url, plan, faults.AFTER_PAUSE)
-    run_ids = [c.run_id for c in commands]
+    run_ids = await created(stores, scope, commands)
     paused = [r for r in run_ids if (await stores.runs.get_run(scope, r)).state is RunState.PAUSED]
     assert paused, "no run had paused when the worker died"
     for run_id in paused:
