@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -12,7 +13,11 @@ from pydantic import ValidationError
 
 from fleet.logs import configure as configure_logs
 from fleet.settings import Settings
-from schemas.errors import IntermissionError
+from publishers.amqp import connect
+from schemas.errors import IntermissionError, NotSuspended, ProgressNotFound
+from schemas.run import RunState
+from schemas.scope import Scope
+from store import Stores
 from store.migrate import ensure_database, migrate
 
 T = TypeVar("T")
@@ -97,6 +102,122 @@ def demo_command() -> None:
         click.echo(f"demo failed: the runs did not finish within {TIMEOUT_SECONDS:.0f} s", err=True)
         sys.exit(1)
     sys.exit(0 if completed == 3 else 1)
+
+
+@main.group("runs")
+def runs_group() -> None:
+    """Look at runs."""
+
+
+@runs_group.command("list")
+@click.option("--state", type=click.Choice([s.value for s in RunState]), default=None, help="only runs in this state")
+@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True)
+def runs_list(state: str | None, limit: int) -> None:
+    """The latest runs of every scope, newest first."""
+    settings = load_settings()
+
+    async def run() -> None:
+        stores = await Stores.connect(settings.database_url, max_size=1)
+        try:
+            found = await stores.operations.list_runs(RunState(state) if state else None, limit)
+        finally:
+            await stores.close()
+        for r in found:
+            click.echo(
+                f"{r.id:<40} {r.scope!s:<30} {r.state.value:<10} rev {r.revision:<4} {r.updated_at:%Y-%m-%d %H:%M:%S}"
+            )
+        if not found:
+            click.echo("no runs")
+
+    run_or_exit("runs list", run())
+
+
+@runs_group.command("show")
+@click.argument("run_id")
+@click.option("--app", required=True)
+@click.option("--tenant", required=True)
+def runs_show(run_id: str, app: str, tenant: str) -> None:
+    """One run at its exact scope: its row, its pause, its progress and its events."""
+    settings = load_settings()
+    try:
+        scope = Scope(app=app, tenant=tenant)
+    except ValidationError as exc:
+        raise click.BadParameter("app and tenant must match [A-Za-z0-9_-]{1,64}") from exc
+
+    async def run() -> None:
+        stores = await Stores.connect(settings.database_url, max_size=1)
+        try:
+            found = await stores.runs.get_run(scope, run_id)
+            click.echo(found.model_dump_json(indent=2, exclude={"script"}))
+            with contextlib.suppress(NotSuspended):
+                pause = await stores.suspensions.get_suspension(scope, run_id)
+                click.echo(f"paused: suspension {pause.id} ({pause.reason.value}), deadline {pause.expires_at}")
+                for call in pause.pending:
+                    click.echo(f"  pending {call.id} {call.name}({call.arguments})")
+            with contextlib.suppress(ProgressNotFound):
+                progress = await stores.progress.get_progress(scope, run_id)
+                click.echo(
+                    f"progress: step {progress.continuation.step_index}, owner {progress.owner}, "
+                    f"{len(progress.started)} started, {len(progress.done)} done"
+                )
+            for event in await stores.runs.list_run_events(scope, run_id):
+                click.echo(f"event {event['kind']} at revision {event['revision']}")
+        finally:
+            await stores.close()
+
+    run_or_exit("runs show", run())
+
+
+@main.group("dead")
+def dead_group() -> None:
+    """Look at and replay dead-lettered commands."""
+
+
+@dead_group.command("list")
+@click.option("--limit", type=click.IntRange(1, 10000), default=100, show_default=True)
+def dead_list(limit: int) -> None:
+    """What is in intermission.dead, and why; nothing is taken out."""
+    settings = load_settings()
+    from fleet.ops import list_dead
+
+    async def run() -> None:
+        connection = await connect(settings.amqp_url, "intermission-cli")
+        try:
+            letters = await list_dead(connection, limit)
+        finally:
+            await connection.close()
+        for letter in letters:
+            click.echo(f"{letter.message_id or '-':<40} {letter.routing_key:<11} {letter.code:<28} {letter.detail}")
+        click.echo(f"{len(letters)} dead-lettered command(s)")
+
+    run_or_exit("dead list", run())
+
+
+@dead_group.command("replay")
+@click.option("--message-id", "message_ids", multiple=True, help="replay these (repeatable)")
+@click.option("--code", "codes", multiple=True, help="replay those refused with this code (repeatable)")
+@click.option("--all", "everything", is_flag=True, help="replay every dead-lettered command")
+def dead_replay(message_ids: tuple[str, ...], codes: tuple[str, ...], everything: bool) -> None:
+    """Send dead-lettered commands back to their queues (after fixing what refused them)."""
+    if not (message_ids or codes or everything):
+        raise click.UsageError("say which: --message-id, --code or --all")
+    settings = load_settings()
+    from fleet.ops import DeadLetter, replay_dead
+
+    def wanted(letter: DeadLetter) -> bool:
+        return everything or letter.message_id in message_ids or letter.code in codes
+
+    async def run() -> None:
+        connection = await connect(settings.amqp_url, "intermission-cli")
+        try:
+            replayed = await replay_dead(connection, wanted)
+        finally:
+            await connection.close()
+        for letter in replayed:
+            click.echo(f"replayed {letter.message_id} ({letter.routing_key}, was {letter.code})")
+        click.echo(f"{len(replayed)} command(s) replayed")
+
+    run_or_exit("dead replay", run())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,137 @@
+"""Operator tools behind ``intermission runs`` and ``intermission dead``.
+
+``dead list`` reads the dead-letter queue without taking anything out of it (every message it fetched is
+returned to the queue when it is done). ``dead replay`` republishes dead-lettered commands to their
+original routing key, with the refusal headers removed, waits for the broker's confirm, and only then
+acknowledges the dead copy: a command is never in neither place. Replaying keeps the ``message_id``, so a
+command whose effect did commit after all is acknowledged as a duplicate, not applied twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+
+from consumers.rejection import DETAIL_HEADER, ORIGINAL_KEY_HEADER
+from schemas.names import COMMANDS_EXCHANGE, DEAD_QUEUE, ERROR_HEADER, Command
+
+# The refusal's headers, and the broker's dead-lettering history: a replayed command starts afresh.
+_DROPPED_HEADER_PREFIXES = (
+    ERROR_HEADER,
+    DETAIL_HEADER,
+    ORIGINAL_KEY_HEADER,
+    "x-death",
+    "x-first-death",
+    "x-last-death",
+)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    message_id: str | None
+    routing_key: str
+    code: str
+    detail: str
+    size: int
+
+
+def _original_key(message: AbstractIncomingMessage) -> str:
+    headers = message.headers or {}
+    key = headers.get(ORIGINAL_KEY_HEADER)
+    if isinstance(key, str) and key:
+        return key
+    # Dead-lettered by the broker (the delivery limit): x-death names the routing keys it came with.
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
+        keys = deaths[0].get("routing-keys")
+        if isinstance(keys, list) and keys and isinstance(keys[0], str):
+            return keys[0]
+    return message.routing_key or ""
+
+
+def describe(message: AbstractIncomingMessage) -> DeadLetter:
+    headers = message.headers or {}
+    code = headers.get(ERROR_HEADER)
+    detail = headers.get(DETAIL_HEADER)
+    if code is None and "x-death" in headers:
+        code, detail = "delivery_limit", "kept failing; dead-lettered by the queue's delivery limit"
+    return DeadLetter(
+        message_id=message.message_id,
+        routing_key=_original_key(message),
+        code=str(code or "unknown"),
+        detail=str(detail or ""),
+        size=len(message.body),
+    )
+
+
+async def _fetch_all(connection: AbstractRobustConnection, limit: int) -> tuple[Any, list[AbstractIncomingMessage]]:
+    channel = await connection.channel(publisher_confirms=True)
+    queue = await channel.get_queue(DEAD_QUEUE)
+    fetched: list[AbstractIncomingMessage] = []
+    while len(fetched) < limit:
+        message = await queue.get(no_ack=False, fail=False)
+        if message is None:
+            break
+        fetched.append(message)
+    return channel, fetched
+
+
+async def list_dead(connection: AbstractRobustConnection, limit: int = 100) -> list[DeadLetter]:
+    """What is in the dead-letter queue (up to ``limit``), leaving it all there."""
+    channel, fetched = await _fetch_all(connection, limit)
+    try:
+        return [describe(m) for m in fetched]
+    finally:
+        # Unacknowledged messages go back to the queue when their channel closes.
+        with contextlib.suppress(Exception):
+            await channel.close()
+
+
+async def replay_dead(
+    connection: AbstractRobustConnection,
+    wanted: Callable[[DeadLetter], bool],
+    limit: int = 1000,
+) -> list[DeadLetter]:
+    """Republish the dead-lettered commands ``wanted`` selects; returns what was replayed."""
+    channel, fetched = await _fetch_all(connection, limit)
+    replayed: list[DeadLetter] = []
+    try:
+        exchange = await channel.get_exchange(COMMANDS_EXCHANGE)
+        commands = {c.value for c in Command}
+        for message in fetched:
+            letter = describe(message)
+            if letter.routing_key not in commands or not wanted(letter):
+                continue
+            headers = {k: v for k, v in (message.headers or {}).items() if not k.startswith(_DROPPED_HEADER_PREFIXES)}
+            await exchange.publish(
+                aio_pika.Message(
+                    message.body,
+                    content_type=message.content_type,
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    message_id=message.message_id,
+                    correlation_id=message.correlation_id,
+                    type=letter.routing_key,
+                    headers=headers,
+                    user_id=message.user_id if message.user_id == _connection_user(connection) else None,
+                ),
+                routing_key=letter.routing_key,
+            )
+            # Confirmed: the command is back in its queue, so the dead copy may go.
+            await message.ack()
+            replayed.append(letter)
+    finally:
+        with contextlib.suppress(Exception):
+            await channel.close()
+    return replayed
+
+
+def _connection_user(connection: AbstractRobustConnection) -> str | None:
+    # RabbitMQ refuses a user_id other than the publishing connection's own: a replay can keep a
+    # sender's user_id only when the operator connects as that user.
+    url = getattr(connection, "url", None)
+    return getattr(url, "user", None)

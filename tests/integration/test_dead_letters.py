@@ -1,0 +1,103 @@
+"""``intermission dead list|replay``: dead-lettered commands can be seen without being taken, and sent back
+once what refused them is fixed, never lost on the way."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import aio_pika
+import pytest
+
+from fleet.agent import default_executor
+from fleet.ops import list_dead, replay_dead
+from fleet.worker import Worker, running_worker
+from publishers.clients import HostClient, version_of
+from schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from schemas.names import DEAD_EXCHANGE, ERROR_HEADER, SCHEMA_VERSION_HEADER, Command
+from schemas.run import RunState
+from schemas.scope import Scope
+from schemas.script import ScriptTurn
+from schemas.suspension import Notice
+from store import Stores
+from tests.amqp import DELIVERY_LIMIT, Broker, ConnectionFactory, Vhost
+from tests.fleet_support import fast_settings
+from tests.waiting import eventually
+
+
+@pytest.fixture
+async def worker(stores: Stores, database_url: str, amqp_url: str, rabbit: Broker) -> AsyncIterator[Worker]:
+    settings = fast_settings(database_url, amqp_url=amqp_url, bus_user=rabbit.bus.name, delivery_limit=DELIVERY_LIMIT)
+    async with running_worker(settings, executor=default_executor(), stores=stores) as w:
+        yield w
+
+
+async def test_dead_letters_are_listed_in_place_and_replayed_once_fixed(
+    worker: Worker,
+    stores: Stores,
+    scope: Scope,
+    amqp_url: str,
+    amqp_vhost: Vhost,
+    rabbit: Broker,
+    amqp_connect: ConnectionFactory,
+) -> None:
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    async with await HostClient.connect(amqp_vhost.url(rabbit.host)) as host, host.subscribe(scope) as events:
+        await host.start(
+            StartCommand(
+                scope=scope,
+                run_id=run_id,
+                agent_id="demo",
+                script=[ScriptTurn.model_validate({"call": [{"tool": "lookup"}]})],
+            )
+        )
+        async with asyncio.timeout(20):
+            async for received in events:
+                if isinstance(received.event, Notice):
+                    notice = received.event
+                    break
+        # A valid resume the broker dead-lettered after it kept failing (say the database was down for
+        # longer than the delivery limit), and a command refused for good.
+        resume = ResumeCommand(
+            scope=scope, version=version_of(notice), results=[ToolAnswer(call_id=notice.pending[0].id, content="v")]
+        )
+        connection = await amqp_connect(amqp_url, "ops")
+        channel = await connection.channel(publisher_confirms=True)
+        dead = await channel.get_exchange(DEAD_EXCHANGE)
+        kept_failing = str(uuid.uuid4())
+        await dead.publish(
+            aio_pika.Message(
+                resume.model_dump_json().encode(),
+                message_id=kept_failing,
+                content_type="application/json",
+                headers={
+                    SCHEMA_VERSION_HEADER: 1,
+                    "x-death": [
+                        {"reason": "delivery_limit", "queue": "intermission.resume", "routing-keys": ["run.resume"]}
+                    ],
+                },
+            ),
+            routing_key=Command.RESUME.value,
+        )
+        refused = str(uuid.uuid4())
+        await dead.publish(
+            aio_pika.Message(b"{not json", message_id=refused, headers={ERROR_HEADER: "invalid_message"}),
+            routing_key=Command.RESUME.value,
+        )
+
+        listed = await list_dead(connection)
+        assert {(d.message_id, d.code) for d in listed} == {
+            (kept_failing, "delivery_limit"),
+            (refused, "invalid_message"),
+        }
+        assert {d.message_id for d in await list_dead(connection)} == {kept_failing, refused}  # nothing was taken
+
+        replayed = await replay_dead(connection, lambda d: d.code == "delivery_limit")
+        assert [d.message_id for d in replayed] == [kept_failing]
+
+        async def completed() -> bool:
+            return (await stores.runs.get_run(scope, run_id)).state is RunState.COMPLETED
+
+        await eventually(completed, what="the replayed resume applied")
+        assert [d.message_id for d in await list_dead(connection)] == [refused]
