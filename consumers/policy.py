@@ -55,6 +55,7 @@ class AckPolicy:
         *,
         attempts: int = 5,
         after_commit: Callable[[], None] = lambda: None,
+        observe: Callable[[Command, str, str], None] = lambda command, outcome, code: None,
     ) -> None:
         self.handlers = handlers
         self.rejecter = rejecter
@@ -62,6 +63,8 @@ class AckPolicy:
         self.attempts = attempts
         # Between the commit and the acknowledgement: the crash tests kill a worker here.
         self.after_commit = after_commit
+        # (command, outcome, error code) of every delivery handled: the worker counts them for metrics.
+        self.observe = observe
 
     async def process(self, message: AbstractIncomingMessage, command: Command) -> None:
         delivery = delivery_of(message, command)
@@ -80,10 +83,12 @@ class AckPolicy:
         except AlreadyApplied:
             log.info("duplicate command; its effect committed before", extra={"action": "duplicate", **extra})
             await message.ack()
+            self.observe(command, "duplicate", "")
             return
         except StaleExpiry as stale:
             log.info("stale expiry", extra={"action": "stale_expiry", "detail": str(stale), **extra})
             await message.ack()
+            self.observe(command, "stale", "")
             return
         except PermanentError as exc:
             log.info(
@@ -92,18 +97,22 @@ class AckPolicy:
             )
             await self.rejecter.reject(delivery, exc)
             await message.ack()
+            self.observe(command, "rejected", exc.code)
             return
         except TransientError as exc:
             log.warning("command failed transiently; requeued", extra={"action": "requeue", "error": exc.code, **extra})
             await message.nack(requeue=True)
+            self.observe(command, "requeued", exc.code)
             return
         except Exception:
             log.exception("command handler crashed; requeued", extra={"action": "handler_error", **extra})
             await message.nack(requeue=True)
+            self.observe(command, "requeued", "handler_error")
             return
         self.after_commit()
         # The effect is committed. If the acknowledgement is lost, the redelivery is a duplicate.
         with contextlib.suppress(Exception):
             await message.ack()
+        self.observe(command, "applied", "")
         if claimed is not None:
             self.on_claimed(claimed)

@@ -19,6 +19,7 @@ import logging
 from fleet.executor import Executor, RunContext, RunHandle, StopAtBoundary
 from fleet.identity import incarnation
 from fleet.lease import LeaseKeeper
+from fleet.metrics import WorkerMetrics
 from fleet.settings import Settings
 from schemas.errors import (
     IntermissionError,
@@ -36,8 +37,18 @@ log = logging.getLogger("intermission.fleet")
 
 
 class Fleet:
-    def __init__(self, stores: Stores, settings: Settings, executor: Executor, *, owner: str | None = None) -> None:
+    def __init__(
+        self,
+        stores: Stores,
+        settings: Settings,
+        executor: Executor,
+        *,
+        owner: str | None = None,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         self.stores = stores
+        self.metrics = metrics or WorkerMetrics()
+        self.metrics.running.set_function(lambda: len(self._tasks))
         self.settings = settings
         self.executor = executor
         self.owner = owner or incarnation()
@@ -109,6 +120,7 @@ class Fleet:
         )
         keeping = asyncio.create_task(keeper.keep(), name=f"lease:{claimed.run.id}")
         extra = {"run_id": claimed.run.id, "scope": str(claimed.run.scope)}
+        how = "released"
         try:
             await self.executor.execute(ctx)
             if not (handle.ended or handle.paused):
@@ -130,8 +142,10 @@ class Fleet:
         except TransientError as exc:
             # The database went away mid-run. The lease lapses on its own and a worker (this one or
             # another) takes the run over from its last snapshot.
+            how = "interrupted"
             log.warning("run interrupted", extra={"action": "run_interrupted", "error": exc.code, **extra})
         except Exception as exc:
+            how = "failed"
             log.exception("executor failed", extra={"action": "executor_error", **extra})
             # A run whose executor crashes would crash every worker that reclaims it; end it instead.
             with contextlib.suppress(IntermissionError):
@@ -139,6 +153,13 @@ class Fleet:
         finally:
             keeper.stop()
             await keeping
+            if handle.lost:
+                how = "lease_lost"
+            elif handle.paused:
+                how = "paused"
+            elif handle.ended and how != "failed":
+                how = "ended"
+            self.metrics.runs_left.labels(how).inc()
 
     async def _release(self, ctx: RunContext) -> None:
         if ctx.handle.lost or ctx.handle.ended or ctx.handle.paused:
@@ -165,6 +186,7 @@ class Fleet:
                 progress = Progress(run_id=run.id, scope=run.scope, owner=self.owner, continuation=cont)
             progress = await self._grant_admitted_start(run, progress)
             log.info("reclaimed a run", extra={"action": "run_reclaimed", "run_id": run.id, "scope": str(run.scope)})
+            self.metrics.reclaimed.inc()
             self.submit(Claimed(run=run, progress=progress, suspension=None, correlation_id=None))
         return len(taken)
 

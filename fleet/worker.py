@@ -24,6 +24,7 @@ from consumers.rejection import Rejecter
 from consumers.service import CommandConsumers
 from fleet import faults
 from fleet.executor import Executor
+from fleet.metrics import WorkerMetrics
 from fleet.plugins import load_executor
 from fleet.runtime import Fleet
 from fleet.settings import Settings
@@ -67,7 +68,8 @@ async def running_worker(
     own_stores = stores is None
     if stores is None:
         stores = await Stores.connect(settings.database_url, max_size=settings.pool_max_size)
-    fleet = Fleet(stores, settings, executor or load_executor(settings.executor))
+    metrics = WorkerMetrics()
+    fleet = Fleet(stores, settings, executor or load_executor(settings.executor), metrics=metrics)
     connection = await connect(settings.amqp_url, f"intermission-worker {fleet.owner}")
     try:
         channel = await connection.channel(publisher_confirms=True)
@@ -97,9 +99,11 @@ async def running_worker(
             Rejecter(topology.events, topology.dead),
             hand_over,
             after_commit=lambda: faults.crash_point(faults.AFTER_COMMIT),
+            observe=metrics.command,
         )
         consumers = CommandConsumers(policy, topology.queues)
         relay_stop = asyncio.Event()
+        metrics.serve(settings.metrics_port)
         await fleet.start()
         relaying = asyncio.create_task(relay.serve(relay_stop), name="outbox-relay")
         await consumers.start()

@@ -1,0 +1,63 @@
+"""A worker serves Prometheus metrics of what it did, on INTERMISSION_METRICS_PORT."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import urllib.request
+import uuid
+
+from fleet.agent import default_executor
+from fleet.worker import running_worker
+from publishers.clients import HostClient
+from schemas.commands import StartCommand
+from schemas.run import RunState
+from schemas.scope import Scope
+from schemas.script import ScriptTurn
+from store import Stores
+from tests.amqp import DELIVERY_LIMIT, Broker, Vhost
+from tests.fleet_support import fast_settings
+from tests.waiting import eventually
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        body: bytes = response.read()
+        return body.decode()
+
+
+async def test_a_worker_counts_commands_and_runs(
+    stores: Stores, scope: Scope, database_url: str, amqp_url: str, amqp_vhost: Vhost, rabbit: Broker
+) -> None:
+    port = free_port()
+    settings = fast_settings(
+        database_url, amqp_url=amqp_url, bus_user=rabbit.bus.name, delivery_limit=DELIVERY_LIMIT, metrics_port=port
+    )
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    async with (
+        running_worker(settings, executor=default_executor(), stores=stores),
+        await HostClient.connect(amqp_vhost.url(rabbit.host)) as host,
+    ):
+        script = [ScriptTurn.model_validate({"call": [{"tool": "lookup"}]})]
+        await host.start(StartCommand(scope=scope, run_id=run_id, agent_id="demo", script=script))
+
+        async def paused() -> bool:
+            return (await stores.runs.get_run(scope, run_id)).state is RunState.PAUSED
+
+        await eventually(paused, what="the run paused")
+
+        async def counted() -> bool:
+            text = await asyncio.to_thread(scrape, port)
+            return (
+                'intermission_commands_total{code="",command="run.start",outcome="applied"} 1.0' in text
+                and 'intermission_runs_left_total{how="paused"} 1.0' in text
+            )
+
+        await eventually(counted, what="the worker's metrics")
