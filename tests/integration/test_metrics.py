@@ -11,6 +11,7 @@ from fleet.agent import default_executor
 from fleet.worker import running_worker
 from publishers.clients import HostClient
 from schemas.commands import StartCommand
+from schemas.errors import RunNotFound
 from schemas.run import RunState
 from schemas.scope import Scope
 from schemas.script import ScriptTurn
@@ -49,7 +50,10 @@ async def test_a_worker_counts_commands_and_runs(
         await host.start(StartCommand(scope=scope, run_id=run_id, agent_id="demo", script=script))
 
         async def paused() -> bool:
-            return (await stores.runs.get_run(scope, run_id)).state is RunState.PAUSED
+            try:
+                return (await stores.runs.get_run(scope, run_id)).state is RunState.PAUSED
+            except RunNotFound:  # the start is not consumed yet
+                return False
 
         await eventually(paused, what="the run paused")
 
