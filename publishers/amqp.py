@@ -170,7 +170,12 @@ class ConfirmingPublisher:
     async def _open(self) -> AbstractExchange:
         async with self._lock:
             if self._exchange is None:
-                channel = self._connection.channel(publisher_confirms=True, on_return_raises=True)
+                try:
+                    channel = self._connection.channel(publisher_confirms=True, on_return_raises=True)
+                except RuntimeError as exc:
+                    # aio-pika's "Connection was not opened": the robust connection is reconnecting. A
+                    # passing state, to retry like any other lost connection (not a bug to crash on).
+                    raise ConnectionError(f"no connection to RabbitMQ to open a channel on ({exc})") from exc
                 await channel
                 # The topology (fleet.topology.declare) owns the exchange: a publisher only names it, so
                 # it can never declare it with arguments that differ from the declared ones.

@@ -12,7 +12,9 @@ by the database clock), so two sweepers that find the same pause publish byte-id
 consumer's inbox keeps one. A pause this process already published is remembered (bounded, oldest
 forgotten first) and not published again on every sweep; it is published again only after
 ``republish_after_seconds``, in case its command was lost to a dead-letter or a purge while the run stayed
-paused.
+paused. With ``max_rate`` it publishes at most that many commands per second (page by page), so that a
+large backlog is worked through without taking the CPU the workers' claims need (bench/scaling.py measures
+the difference).
 
 Commands are published with ``mandatory``: a command no queue takes is an error to retry, not a silent
 loss. Publish failures back off (tenacity) and the sweep starts over; nothing is remembered until its
@@ -114,16 +116,22 @@ class ExpirySweeper:
         batch: int = 100,
         republish_after_seconds: float = 3600.0,
         max_remembered: int = 100_000,
+        max_rate: float | None = None,
         publish_timeout: float = 10.0,
         max_backoff_seconds: float = 10.0,
         name: str = "intermission-sweeper",
     ) -> None:
         if batch < 1:
             raise ValueError("batch must be at least 1")
+        if max_rate is not None and not max_rate > 0:
+            raise ValueError("max_rate must be a positive number of commands per second")
         self._store = ExpirySweepStore(db)
         self._publisher = ConfirmingPublisher(connection, COMMANDS_EXCHANGE, mandatory=True, timeout=publish_timeout)
         self._interval = interval_seconds
         self._batch = batch
+        # At most this many run.expire commands per second (None: as fast as the broker confirms). A backlog
+        # worked through at full speed takes CPU from the claims of every worker on the same machines.
+        self._max_rate = max_rate
         self._recent = _Recent(max_remembered, republish_after_seconds)
         self._publish_timeout = publish_timeout
         self._max_backoff = max_backoff_seconds
@@ -146,18 +154,32 @@ class ExpirySweeper:
         published = 0
         pages = 0
         while stop is None or not stop.is_set():
+            began = time.monotonic()
             page = await self._store.list_expired_paused_across_scopes(cutoff, after, self._batch)
             pages += 1
-            published += await self._publish(page)
+            sent = await self._publish(page)
+            published += sent
             if len(page) < self._batch:
                 break
             after = page[-1].cursor
+            await self._pace(sent, began, stop)
         self.sweeps += 1
         log.info(
             "sweep done",
             extra={"action": "sweep", "sweeper": self._name, "published": published, "pages": pages},
         )
         return published
+
+    async def _pace(self, sent: int, began: float, stop: asyncio.Event | None) -> None:
+        """Keep to ``max_rate``: a page of ``sent`` commands takes at least ``sent / max_rate`` seconds."""
+        if self._max_rate is None or not sent:
+            return
+        rest = sent / self._max_rate - (time.monotonic() - began)
+        if rest > 0:
+            if stop is None:
+                await asyncio.sleep(rest)
+            else:
+                await wait_or_stop(stop, rest)
 
     async def _publish(self, page: list[ExpiredPause]) -> int:
         now = time.monotonic()

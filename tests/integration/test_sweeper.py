@@ -205,3 +205,33 @@ async def test_sweeper_serves_until_stopped(
             await serving
     assert sweeper.sweeps == 1
     assert sweeper.failures == 0
+
+
+async def test_a_rate_limited_sweeper_spaces_its_pages_and_still_publishes_every_pause(
+    stores: Stores,
+    database_url: str,
+    scope: Scope,
+    amqp_url: str,
+    amqp_connect: ConnectionFactory,
+    capture: CaptureFactory,
+    sweepers: list[ExpirySweeper],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen = await expire_capture(capture, amqp_url)
+    pauses = await expired_pauses(stores, database_url, scope, 7)
+    waits: list[float] = []
+
+    async def recorded(_stop: asyncio.Event, seconds: float) -> None:
+        waits.append(seconds)  # recorded, not slept: the test asserts what was asked, never a time
+
+    monkeypatch.setattr("publishers.sweeper.wait_or_stop", recorded)
+    # 3 commands a second with pages of 3: each full page must take a second, far longer than it does.
+    sweeper = await new_sweeper(stores.db, amqp_url, amqp_connect, sweepers, batch=3, max_rate=3.0)
+
+    assert await sweeper.sweep_once(asyncio.Event()) == 7
+    # Pages of 3, 3 and 1: a pause after each full page, none after the last.
+    assert len(waits) == 2
+    assert all(0 < w <= 1.0 for w in waits)
+    await seen.wait_ids({expected(p, scope)[0] for p in pauses})
+    with pytest.raises(ValueError, match="max_rate"):
+        ExpirySweeper(stores.db, await amqp_connect(amqp_url, "bad"), max_rate=0)

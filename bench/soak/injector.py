@@ -1,0 +1,174 @@
+"""The fault injector: two loops while the load runs.
+
+- Infrastructure faults, drawn from shuffled decks so every kind comes up in every profile: SIGKILL and
+  SIGTERM of a worker (a new one is started each time), an extra worker started with
+  ``INTERMISSION_CRASH_AT`` at one of the worker's crash points (it kills itself there), terminating the
+  soak database's backends, and (one per deck, alternately) a RabbitMQ ``stop_app``/``start_app`` or a
+  PostgreSQL stop/start.
+- Command faults: malformed and oversized commands, an unknown run, duplicates and reordered commands,
+  answers at a foreign scope, replies from users who are not the bus, decisions from non-approvers,
+  answers of the wrong kind, mismatched results, re-used message ids, starts over ended runs and cancels
+  of ended runs. Those that need a live pause or an ended run are posted as wishes to the actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import time
+
+from bench.soak.actors import MALFORMED_VARIANTS, Simulator
+from bench.soak.ledger import Ledger
+from bench.soak.procs import ProcessPool
+from bench.soak.profile import Profile
+from bench.soak.servers import ServerFaults
+from fleet import faults
+
+log = logging.getLogger("soak.injector")
+
+LIGHT = (
+    "worker_sigkill",
+    "worker_sigkill",
+    "worker_sigterm",
+    "worker_crash_point",
+    "worker_crash_point",
+    "pg_terminate_backends",
+)
+HEAVY = ("rabbitmq_restart", "pg_restart")
+# The crash points a worker process reaches (after_claim is the in-process control's, not the consumers').
+CRASH_POINTS = (faults.AFTER_COMMIT, faults.AFTER_STARTED, faults.BETWEEN_STEPS, faults.AFTER_PAUSE)
+COMMAND_DECK = (
+    "malformed_command",
+    "oversized_command",
+    "unknown_run",
+    "foreign_scope_command",
+    "non_bus_reply",
+    "non_approver_decision",
+    "wrong_authority",
+    "results_mismatch",
+    "duplicate_command",
+    "reordered_commands",
+    "message_id_conflict",
+    "run_exists",
+    "cancel_ended",
+)
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+class Injector:
+    def __init__(
+        self,
+        profile: Profile,
+        rng: random.Random,
+        ledger: Ledger,
+        pool: ProcessPool,
+        servers: ServerFaults,
+        sim: Simulator,
+    ) -> None:
+        self.profile = profile
+        self.rng = rng
+        self.ledger = ledger
+        self.pool = pool
+        self.servers = servers
+        self.sim = sim
+        self._crashes = 0
+        self._heavy = 0
+        self._malformed = 0
+        self._oversized = 0
+        self._duplicates = 0
+
+    async def infra_loop(self, until: float, stop: asyncio.Event) -> None:
+        deck: list[str] = []
+        while not stop.is_set():
+            await _wait(stop, self.rng.uniform(*self.profile.infra_every))
+            if stop.is_set() or time.monotonic() >= until:
+                return
+            if not deck:
+                deck = [*LIGHT * self.profile.light_per_deck, HEAVY[self._heavy % len(HEAVY)]]
+                self._heavy += 1
+                self.rng.shuffle(deck)
+            kind = deck.pop()
+            at = time.monotonic()
+            try:
+                detail = await self._infra(kind)
+            except Exception as exc:
+                log.exception("fault %s failed", kind)
+                self.ledger.fault(kind, f"could not inject: {type(exc).__name__}: {exc}", at=at, done=False)
+                self.ledger.notes.append(f"{kind} could not be injected: {exc}")
+                continue
+            if detail is None:
+                self.ledger.fault(kind, "no target", at=at, done=False)
+            else:
+                self.ledger.fault(kind, detail, at=at)
+                log.info("fault %s: %s", kind, detail)
+
+    async def _infra(self, kind: str) -> str | None:
+        if kind == "worker_sigkill":
+            return await self.pool.kill_worker(signal.SIGKILL)
+        if kind == "worker_sigterm":
+            return await self.pool.kill_worker(signal.SIGTERM)
+        if kind == "worker_crash_point":
+            point = CRASH_POINTS[self._crashes % len(CRASH_POINTS)]
+            started = await self.pool.crash_worker(point, self.rng.randint(0, 3))
+            if started is not None:
+                self._crashes += 1
+                return f"{point}: {started}"
+            return None
+        if kind == "pg_terminate_backends":
+            return f"{await self.servers.pg_terminate()} backends terminated"
+        if kind == "rabbitmq_restart":
+            down = await self.servers.rabbit_outage(self.rng.uniform(*self.profile.rabbit_down))
+            return f"stop_app .. start_app, {down:.1f} s"
+        if kind == "pg_restart":
+            if self.servers.pg_cluster is None:
+                self.ledger.notes.append("pg_restart skipped: no local cluster to stop and start")
+                return None
+            down = await self.servers.pg_outage(self.rng.uniform(*self.profile.pg_down))
+            return f"pg_ctlcluster stop .. start, {down:.1f} s until it answered"
+        raise AssertionError(kind)
+
+    async def command_loop(self, until: float, stop: asyncio.Event) -> None:
+        deck: list[str] = []
+        while not stop.is_set():
+            await _wait(stop, self.rng.uniform(*self.profile.command_every))
+            if stop.is_set() or time.monotonic() >= until:
+                return
+            if not deck:
+                deck = list(COMMAND_DECK)
+                self.rng.shuffle(deck)
+            self._command(deck.pop())
+
+    def _command(self, kind: str) -> None:
+        sim = self.sim
+        if kind == "malformed_command":
+            variant = MALFORMED_VARIANTS[self._malformed % len(MALFORMED_VARIANTS)]
+            self._malformed += 1
+            sim.spawn(sim.malformed(variant), f"fault:{variant}")
+        elif kind == "oversized_command":
+            # A 17 MiB body is heavy for the broker: one in three; the others are 8 MiB replies at a pause.
+            if self._oversized % 3 == 0:
+                sim.spawn(sim.malformed("oversized_body"), "fault:oversized_body")
+            else:
+                sim.wish(kind)
+            self._oversized += 1
+        elif kind == "unknown_run":
+            sim.spawn(sim.unknown_run(), "fault:unknown_run")
+        elif kind == "duplicate_command":
+            self._duplicates += 1
+            if self._duplicates % 2:
+                sim.spawn(self._duplicate_start(), "fault:duplicate_start")
+            else:
+                sim.wish(kind)
+        else:
+            sim.wish(kind)
+
+    async def _duplicate_start(self) -> None:
+        if not await self.sim.duplicate_start():
+            self.sim.wish("duplicate_command")

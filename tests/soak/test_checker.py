@@ -1,0 +1,217 @@
+"""The soak's invariant checker on a small synthetic world (no I/O): a clean history passes, and each broken
+guarantee is reported precisely (the run or message, what was expected, what was found)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+import pytest
+
+from bench.soak.checker import Checker, CheckResult, Evidence, Snapshot
+from bench.soak.ledger import Expect, Fate, Ledger, RunPlan, SentCommand
+from bench.soak.observe import DeadLetter, Event
+from schemas.scope import Scope
+
+SCOPE = Scope(app="soak", tenant="t0")
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+RUN = "soak-1-00000"
+ANSWER = f"answer:{RUN}:1"
+FORGED_REPLY = "non_bus_reply:abc"
+
+Row = dict[str, Any]
+
+
+def notice_body() -> str:
+    return json.dumps(
+        {
+            "suspension_id": 1,
+            "run_id": RUN,
+            "run_revision": 1,
+            "reason": "external_tool",
+            "pending": [],
+            "scope": {"app": SCOPE.app, "tenant": SCOPE.tenant},
+        }
+    )
+
+
+def outbox_row(n: int, key: str, body: str, correlation: str | None) -> Row:
+    return {
+        "id": n,
+        "message_id": f"00000000-0000-0000-0000-00000000000{n}",
+        "routing_key": key,
+        "body": body,
+        "correlation_id": correlation,
+        "run_id": RUN,
+        "app": SCOPE.app,
+        "tenant": SCOPE.tenant,
+        "sent_at": NOW,
+    }
+
+
+def world() -> tuple[Ledger, list[Row], dict[str, Any]]:
+    """A run that paused once, was answered and completed; one forged reply that was refused."""
+    ledger = Ledger(seed=1)
+    plan = RunPlan(RUN, SCOPE, "lookup", Fate.COMPLETE, 0, f"start:{RUN}", heard_by_host=[1], handled={1})
+    ledger.runs[RUN] = plan
+    for mid, key, sender, purpose, expect, codes in (
+        (f"start:{RUN}", "run.start", "host", "start", Expect.APPLY, frozenset[str]()),
+        (ANSWER, "run.resume", "host", "answer", Expect.APPLY, frozenset[str]()),
+        (FORGED_REPLY, "run.reply", "mallory", "non_bus_reply", Expect.REJECT, frozenset({"forbidden"})),
+    ):
+        ledger.sent(
+            SentCommand(mid, key, RUN, SCOPE, sender, purpose, expect, codes=codes, confirmed=True, suspension_id=1)
+        )
+    outbox = [
+        outbox_row(1, f"notice.external_tool.{SCOPE.app}.{SCOPE.tenant}", notice_body(), f"start:{RUN}"),
+        outbox_row(2, f"run.resumed.{SCOPE.app}.{SCOPE.tenant}", json.dumps({"run_id": RUN, "revision": 2}), ANSWER),
+        outbox_row(3, f"run.completed.{SCOPE.app}.{SCOPE.tenant}", json.dumps({"run_id": RUN, "revision": 3}), ANSWER),
+    ]
+    db: dict[str, Any] = {
+        "runs": {
+            RUN: {
+                "id": RUN,
+                "app": SCOPE.app,
+                "tenant": SCOPE.tenant,
+                "state": "completed",
+                "revision": 3,
+                "lease_owner": None,
+                "lease_expires_at": None,
+                "error": None,
+                "ended_at": NOW,
+            }
+        },
+        "run_events": [
+            {"run_id": RUN, "kind": "paused", "revision": 1, "data": json.dumps({"suspension_id": 1})},
+            {"run_id": RUN, "kind": "completed", "revision": 3, "data": "{}"},
+        ],
+        "inbox": {
+            f"start:{RUN}": {"message_id": f"start:{RUN}", "routing_key": "run.start", "run_id": RUN},
+            ANSWER: {"message_id": ANSWER, "routing_key": "run.resume", "run_id": RUN},
+        },
+        "charges": [{"run_id": RUN, "call_id": "call-0-0", "times": 1, "at": [NOW]}],
+        "forged": [],
+        "rejections": [refusal(FORGED_REPLY, "forbidden")],
+        "dead": [FORGED_REPLY, "forbidden"],
+    }
+    return ledger, outbox, db
+
+
+def refusal(mid: str, code: str) -> dict[str, Any]:
+    return {"message_id": mid, "routing_key": "run.reply", "code": code, "detail": code}
+
+
+def check(ledger: Ledger, outbox: list[Row], db: dict[str, Any]) -> CheckResult:
+    events = [
+        Event(r["message_id"], r["routing_key"], r["correlation_id"], r["body"], json.loads(r["body"]), 1.0)
+        for r in outbox
+    ]
+    for body in db["rejections"]:
+        events.append(
+            Event(
+                f"rejected:{body['message_id']}",
+                f"command.rejected.{SCOPE.app}.{SCOPE.tenant}",
+                None,
+                json.dumps(body),
+                body,
+                1.0,
+            )
+        )
+    dead = [DeadLetter(db["dead"][0], None, "run.reply", db["dead"][1], None, 10, RUN, 1.0)] if db["dead"] else []
+    snap = Snapshot(
+        now=NOW,
+        runs=cast("Any", db["runs"]),
+        suspensions={},
+        progress={},
+        run_events=cast("Any", db["run_events"]),
+        outbox=cast("Any", outbox),
+        inbox=cast("Any", db["inbox"]),
+        charges=cast("Any", db["charges"]),
+        checkpoints=[],
+        admissions=[],
+        foreign_rows={"runs": 0},
+        forged=db["forged"],
+    )
+    return Checker(ledger, Evidence(events=events, dead=dead), snap, foreign_app="soak-foreign", mallory="m").check()
+
+
+def test_a_clean_history_passes_every_invariant() -> None:
+    result = check(*world())
+    assert result.violations == []
+    assert result.checked["one_effect_per_command"] >= 3
+    assert result.checked["notices_match_pauses"] >= 2
+
+
+Breakage = Callable[[Ledger, list[Row], dict[str, Any]], None]
+
+
+def _double_charge(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> None:
+    db["charges"][0].update(times=2, at=[NOW, NOW + timedelta(seconds=2)])
+
+
+def _refused_answer(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> None:
+    db["rejections"] = [refusal(ANSWER, "not_suspended")]
+    db["dead"] = [ANSWER, "not_suspended"]
+
+
+def _second_effect(_ledger: Ledger, outbox: list[Row], _db: dict[str, Any]) -> None:
+    outbox.append(outbox_row(4, f"run.resumed.{SCOPE.app}.{SCOPE.tenant}", json.dumps({"revision": 4}), ANSWER))
+
+
+def _unsent(_ledger: Ledger, outbox: list[Row], _db: dict[str, Any]) -> None:
+    outbox[2]["sent_at"] = None
+
+
+def _left_running(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> None:
+    db["runs"][RUN].update(state="running", lease_owner="worker-1", lease_expires_at=NOW - timedelta(seconds=5))
+
+
+def _forged_applied(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> None:
+    db["forged"] = [("session_messages", RUN)]
+
+
+def _lost_notice(_ledger: Ledger, outbox: list[Row], _db: dict[str, Any]) -> None:
+    del outbox[0]
+
+
+def _unrefused_forgery(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> None:
+    db["rejections"] = []
+    db["dead"] = []
+
+
+def _refused_for_the_wrong_reason(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> None:
+    db["rejections"] = [refusal(FORGED_REPLY, "not_suspended")]
+    db["dead"] = [FORGED_REPLY, "not_suspended"]
+
+
+@pytest.mark.parametrize(
+    ("breakage", "invariant", "words"),
+    [
+        (_double_charge, "no_double_charge", f"run {RUN} call call-0-0: expected at most one charge"),
+        (_refused_answer, "one_effect_per_command", "expected exactly one effect and no refusal; found 1 effect(s)"),
+        (_second_effect, "one_effect_per_command", "found 2 effect(s)"),
+        (_unsent, "outbox_delivered", "expected marked sent; found unsent"),
+        (_left_running, "no_running_after_drain", "found running, lease worker-1"),
+        (_forged_applied, "scope_and_authority", f"run {RUN}: expected no forged or foreign payload applied"),
+        (_lost_notice, "notices_match_pauses", "expected exactly one Notice in the outbox; found 0"),
+        (_unrefused_forgery, "one_effect_per_command", "expected a command.rejected event with a code in"),
+        (_refused_for_the_wrong_reason, "one_effect_per_command", "found codes ['not_suspended']"),
+    ],
+)
+def test_each_broken_guarantee_is_reported_precisely(breakage: Breakage, invariant: str, words: str) -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    breakage(ledger, outbox, db)
+    found = [str(v) for v in check(ledger, outbox, db).violations if v.invariant == invariant]
+    assert any(words in v for v in found), found
+
+
+def test_a_refusal_repeated_on_a_redelivery_after_the_run_moved_on_is_no_violation() -> None:
+    # Refusals record nothing: a refused command delivered again is judged against the run's new state.
+    ledger, outbox, db = copy.deepcopy(world())
+    db["rejections"] = [refusal(FORGED_REPLY, "forbidden"), refusal(FORGED_REPLY, "not_suspended")]
+    result = check(ledger, outbox, db)
+    assert result.violations == []
+    assert result.stats["refusals_repeated_on_redelivery"] == 1
