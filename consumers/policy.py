@@ -17,8 +17,10 @@ Outcomes other than success:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Callable
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -66,20 +68,35 @@ class AckPolicy:
         # (command, outcome, error code) of every delivery handled: the worker counts them for metrics.
         self.observe = observe
 
+    async def _apply(self, command: Command, delivery: Delivery, message_id: str) -> Claimed | None:
+        """The command's transaction, retried with backoff on transient errors. The first attempt runs
+        without the retry machinery: it almost always succeeds, and building tenacity's state for every
+        message costs more than the attempt's own Python work."""
+        try:
+            return await self.handlers.apply(command, delivery, message_id)
+        except TransientError:
+            if self.attempts <= 1:
+                raise
+        # The same back-off as one tenacity loop over every attempt: up to 0.05 s after the first failure,
+        # then doubling (full jitter, capped at 2 s).
+        await asyncio.sleep(random.uniform(0, 0.05))  # noqa: S311 - jitter, not cryptography
+        claimed: Claimed | None = None
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(TransientError),
+            wait=wait_random_exponential(multiplier=0.1, max=2.0),
+            stop=stop_after_attempt(self.attempts - 1),
+            reraise=True,
+        ):
+            with attempt:
+                claimed = await self.handlers.apply(command, delivery, message_id)
+        return claimed
+
     async def process(self, message: AbstractIncomingMessage, command: Command) -> None:
         delivery = delivery_of(message, command)
         extra = {"message_id": delivery.message_id, "routing_key": delivery.routing_key}
         try:
             message_id = check_envelope(delivery)
-            claimed: Claimed | None = None
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(TransientError),
-                wait=wait_random_exponential(multiplier=0.05, max=2.0),
-                stop=stop_after_attempt(self.attempts),
-                reraise=True,
-            ):
-                with attempt:
-                    claimed = await self.handlers.apply(command, delivery, message_id)
+            claimed = await self._apply(command, delivery, message_id)
         except AlreadyApplied:
             log.info("duplicate command; its effect committed before", extra={"action": "duplicate", **extra})
             await message.ack()

@@ -204,6 +204,11 @@ class AgentLoop:
             await self._fail(ctx, step, denied.error or "denied")
         known = {r.call_id for r in step.done}
         started = {c.id for c in step.started}
+        # Every open call was answered before this worker touched the turn (a resume's answers, which the
+        # claim wrote in its first snapshot; or a takeover of such a snapshot). That snapshot is durable and
+        # a worker continuing from it closes the turn exactly as below, so this boundary is not written a
+        # second time: the save would cost a transaction and add nothing a takeover needs.
+        already_durable = not step.started and all(call.id in known for call in open_calls)
         waiting: list[tuple[ToolCall, Tool]] = []
         for call in open_calls:
             if call.id in known:
@@ -231,7 +236,8 @@ class AgentLoop:
         if waiting:
             await self._pause(ctx, step, open_calls, waiting)
         self._close_turn(step, open_calls)
-        await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
+        if not already_durable:
+            await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
         faults.crash_point(faults.BETWEEN_STEPS)
         await ctx.boundary()
 

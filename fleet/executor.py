@@ -132,6 +132,8 @@ class RunContext:
                 error=error,
                 correlation_id=self.correlation_id,
                 own_messages=own_messages,
+                # The revision this worker holds the run at: lets the store end it in one statement.
+                at_revision=self.run.revision,
             )
         except RunLeaseLost:
             self.handle.lost = True

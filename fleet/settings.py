@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     publish_timeout_seconds: float = Field(default=10.0, gt=0)
     sweep_interval_seconds: float = Field(default=60.0, gt=0)
     sweep_batch: int = Field(default=100, ge=1, le=10000)
+    # run.expire commands a sweeper publishes per second at most, so that working through a backlog does
+    # not starve the claims of workers on the same machines (bench/scaling.py).
+    sweep_max_rate: float = Field(default=500.0, gt=0)
     # The deadline of a pause; 0 means pauses never expire.
     pause_ttl_seconds: int = Field(default=86400, ge=0)
     # The default max_steps of a run whose config leaves it unset.

@@ -151,6 +151,7 @@ async def sweep(settings: Settings, stop: asyncio.Event | None = None) -> None:
             connection,
             interval_seconds=settings.sweep_interval_seconds,
             batch=settings.sweep_batch,
+            max_rate=settings.sweep_max_rate,
         )
         with stop_on_signals(stop):
             log.info("sweeper started", extra={"action": "sweeper_started"})

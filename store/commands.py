@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+import asyncpg
+
 from schemas.answers import (
     Source,
     check_approver,
@@ -31,7 +33,14 @@ from schemas.commands import (
     ResumeCommand,
     StartCommand,
 )
-from schemas.errors import InvalidState, NotSuspended, RunConflict
+from schemas.errors import (
+    IntermissionError,
+    InvalidArgument,
+    InvalidState,
+    NotSuspended,
+    ResumeAdmissionNotFound,
+    RunConflict,
+)
 from schemas.events import RunEvent
 from schemas.names import RunEventKind
 from schemas.resume import ResumeAdmissionRequest
@@ -40,7 +49,7 @@ from schemas.scope import Scope, require_scope
 from schemas.suspension import ClaimVersion, Continuation, Ending, EndingKind, LeasedClaim, Progress, Suspension
 from store import outbox, rows
 from store.db import Conn, Database
-from store.inbox import Receipt, record_in
+from store.inbox import AlreadyApplied, Receipt, record_in
 from store.resume import ResumeStore
 from store.runs import create_run_in
 from store.suspensions import SuspensionStore, check_leased_claim, claim_pinned_in
@@ -169,14 +178,92 @@ class CommandStore:
         receipt: Receipt | None = None,
         correlation_id: str | None = None,
     ) -> Claimed:
-        """A host's results for an ``external_tool`` pause."""
+        """A host's results for an ``external_tool`` pause.
+
+        The common case takes two round trips (``_resume_at_once``); anything unusual there (a duplicate,
+        a refusal, a race, a row that does not decode) falls through to the step-by-step transaction below,
+        which decides it exactly as it always has: inbox record first, then the pause, then the claim.
+        """
         scope = require_scope(cmd.scope)
+        claimed = await self._resume_at_once(scope, cmd, lease, receipt, correlation_id)
+        if claimed is not None:
+            return claimed
         async with self.db.transaction() as con:
             await _record(con, receipt, scope, cmd.version.run_id)
             suspension = await _stored_pause(con, scope, cmd.version)
             check_authority(Source.HOST, suspension)
             first = results_progress(suspension, cmd.results, lease.owner)
             return await _claim(con, scope, cmd.version, lease, first, correlation_id)
+
+    async def _resume_at_once(
+        self,
+        scope: Scope,
+        cmd: ResumeCommand,
+        lease: Lease,
+        receipt: Receipt | None,
+        correlation_id: str | None,
+    ) -> Claimed | None:
+        """The resume as one read and ONE writing statement (``claim_resume``), or None when it did not
+        apply; then nothing was written and the caller takes the step-by-step path.
+
+        Why it is the same effect as the step-by-step transaction: the read decodes and checks the pause and
+        its run BEFORE anything is written (a row that does not decode never gets claimed), and the claim is
+        pinned to the suspension id and run revision that were read. A suspension row never changes after
+        the transaction that created it, and a run row does not change without its revision changing, so
+        what was checked is exactly what is claimed. The claim, the first snapshot, the removal of the
+        pause, the inbox record and the outbox event are one statement: they commit together or not at
+        all. A recorded message_id fails that statement (no ON CONFLICT), so a duplicate writes nothing and
+        the step-by-step path finds it recorded.
+        """
+        version = cmd.version
+        if not lease.is_set:
+            return None
+        async with self.db.connection() as con:
+            row = await con.fetchrow("read_pause_and_run", version.run_id, scope.app, scope.tenant)
+            if row is None or row["id"] != version.suspension_id or row["r_revision"] != version.run_revision:
+                return None
+            try:
+                suspension = rows.suspension_from_row(row)
+                run = rows.run_from_row(row, prefix="r_")
+                check_authority(Source.HOST, suspension)
+                first = results_progress(suspension, cmd.results, lease.owner)
+                done = rows.dump_list(rows.DONE, first.done)
+            except IntermissionError:
+                return None
+            event = RunEvent(kind=RunEventKind.RESUMED, run_id=run.id, revision=version.run_revision + 1, scope=scope)
+            announced = outbox.run_event(event, correlation_id)
+            try:
+                claimed = await con.fetchrow(
+                    "claim_resume",
+                    version.run_id,
+                    scope.app,
+                    scope.tenant,
+                    version.suspension_id,
+                    version.run_revision,
+                    lease.owner,
+                    lease.ttl_seconds,
+                    done,
+                    receipt.message_id if receipt is not None else None,
+                    receipt.routing_key if receipt is not None else None,
+                    receipt.body_digest if receipt is not None else None,
+                    *outbox.columns(announced),
+                )
+            except asyncpg.UniqueViolationError:
+                return None
+        if claimed is None:
+            return None
+        run = run.model_copy(
+            update={
+                "state": RunState(claimed["state"]),
+                "revision": claimed["revision"],
+                "lease_owner": claimed["lease_owner"],
+                "lease_expires_at": claimed["lease_expires_at"],
+                "updated_at": claimed["updated_at"],
+            }
+        )
+        suspension.claimed_run = run
+        progress = first.model_copy(update={"scope": scope})
+        return Claimed(run=run, progress=progress, suspension=suspension, correlation_id=correlation_id)
 
     async def decide(
         self,
@@ -267,9 +354,15 @@ class CommandStore:
         record: a different reply for the same pause is resume_admission_conflict.
         """
         scope = require_scope(cmd.scope)
-        suspension = await self.suspensions.get_suspension(scope, cmd.version.run_id)
-        if suspension.id != cmd.version.suspension_id:
-            raise RunConflict(f"run {cmd.version.run_id} is paused on suspension {suspension.id}")
+        try:
+            suspension = await self.suspensions.get_suspension(scope, cmd.version.run_id)
+            if suspension.id != cmd.version.suspension_id:
+                raise RunConflict(f"run {cmd.version.run_id} is paused on suspension {suspension.id}")
+        except (NotSuspended, RunConflict):
+            # The run may have left this pause BECAUSE this very reply was admitted: then this is a
+            # redelivery or a re-send, acknowledged with no second effect and no refusal.
+            await self._raise_if_admitted(scope, cmd, correlation_id)
+            raise
         check_authority(Source.BUS, suspension)
         first = reply_progress(suspension, cmd.reply_with, cmd.input, lease.owner)
         request = ResumeAdmissionRequest(scope=scope, version=cmd.version, input=cmd.input.encode("utf-8"))
@@ -287,3 +380,15 @@ class CommandStore:
             suspension=started.suspension,
             correlation_id=correlation_id,
         )
+
+    async def _raise_if_admitted(self, scope: Scope, cmd: ReplyCommand, correlation_id: str | None) -> None:
+        """AlreadyApplied when the identical reply was admitted for its pause before: the admission is a
+        reply's idempotency record. Otherwise return, and the caller's refusal stands."""
+        version = cmd.version
+        try:
+            admission = await self.admissions.get_resume_admission(scope, version.run_id, version.suspension_id)
+        except (ResumeAdmissionNotFound, InvalidArgument):
+            return
+        request = ResumeAdmissionRequest(scope=scope, version=version, input=cmd.input.encode("utf-8"))
+        if admission.request_digest == request.digest():
+            raise AlreadyApplied(correlation_id or f"reply to {version.run_id}", "admitted")

@@ -54,9 +54,15 @@ class StoreError(IntermissionError):
 def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, asyncpg.PostgresError):
         return exc.sqlstate in _TRANSIENT_SQLSTATES
+    # InternalClientError: a pooled connection whose backend was terminated can be handed out while its
+    # protocol still consumes the server's error ("cannot switch to state ..."); another connection cures it.
     return isinstance(
         exc,
-        OSError | asyncpg.InterfaceError | asyncpg.exceptions.ConnectionDoesNotExistError | TimeoutError,
+        OSError
+        | asyncpg.InterfaceError
+        | asyncpg.InternalClientError
+        | asyncpg.exceptions.ConnectionDoesNotExistError
+        | TimeoutError,
     )
 
 
@@ -67,7 +73,7 @@ def translated() -> Iterator[None]:
         yield
     except IntermissionError:
         raise
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError, TimeoutError) as exc:
         if is_transient(exc):
             raise StoreUnavailable(f"database unavailable: {type(exc).__name__}") from exc
         if getattr(exc, "sqlstate", None) in _BAD_TEXT_SQLSTATES:
@@ -98,6 +104,17 @@ class Conn:
         return await self.raw.execute(QUERIES[query], *args)
 
 
+async def _keep_session(_raw: asyncpg.Connection[Any]) -> None:
+    """The pool's reset on release: nothing beyond what asyncpg always does.
+
+    asyncpg's default reset sends ``pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL`` on every
+    release: a round trip that costs more than most of the statements it follows. Store code never leaves
+    session state on a pooled connection (no session advisory locks, cursors, LISTEN or SET: the migrator
+    and the outbox listener use connections of their own), so there is nothing to undo. asyncpg still rolls
+    back a transaction left open and drops listeners before calling this.
+    """
+
+
 class Database:
     """One asyncpg pool per process, and the transactions store code runs in."""
 
@@ -121,6 +138,7 @@ class Database:
                 max_size=max_size,
                 command_timeout=command_timeout,
                 server_settings={"application_name": application_name},
+                reset=_keep_session,
             )
         return cls(pool)
 

@@ -50,6 +50,12 @@ def run_event(event: RunEvent, correlation_id: str | None) -> OutboxEvent:
     )
 
 
+def columns(event: OutboxEvent) -> tuple[uuid.UUID, str, str, str | None, str]:
+    """(message_id, routing_key, body, correlation_id, headers) for a statement that inserts the row itself
+    (its scope and run come from the row it changes)."""
+    return event.message_id, event.routing_key, event.body, event.correlation_id, json.dumps(event.headers)
+
+
 async def write(con: Conn, event: OutboxEvent) -> None:
     await con.execute(
         "insert_outbox",

@@ -34,7 +34,8 @@ class ProgressStore:
         require_scope(scope)
         if not p.owner:  # refused before any I/O, like a half lease
             raise RunLeaseLost("an empty owner never holds a lease")
-        async with self.db.transaction() as con:
+        # One statement is its own transaction: BEGIN and COMMIT around it would be two more round trips.
+        async with self.db.connection() as con:
             return await save_progress_in(con, scope, p)
 
     async def get_progress(self, scope: Scope, run_id: str) -> Progress:

@@ -268,14 +268,26 @@ class RunStore:
         error: str | None = None,
         correlation_id: str | None = None,
         own_messages: list[Message] | None = None,
+        at_revision: int | None = None,
     ) -> RunEvent:
         """End a running run held by ``owner``, in ONE transaction with its metadata event and its
         ``run.<kind>`` event: progress and any pause are removed, undecided checkpoints are closed, and the
-        run's OWN messages (never its loaded history) are appended to the session it started in."""
+        run's OWN messages (never its loaded history) are appended to the session it started in.
+
+        ``at_revision`` is the run's revision as the caller holds it: given, the end is first tried as ONE
+        statement pinned to it (``end_run_at_once``: one round trip instead of nine); if that matches
+        nothing (the lease is gone, or the revision is not the caller's), nothing was written and the
+        step-by-step transaction below decides, as it always has."""
         require_scope(scope)
         state = _END_STATES.get(kind)
         if state is None:
             raise InvalidArgument(f"{kind.value} is not an end")
+        if at_revision is not None:
+            ended_at_once = await self._end_at_once(
+                scope, run_id, owner, kind, state, output, error, correlation_id, own_messages, at_revision
+            )
+            if ended_at_once is not None:
+                return ended_at_once
         async with self.db.transaction() as con:
             ended = await con.fetchrow("end_run", run_id, scope.app, scope.tenant, owner, state.value, output, error)
             if ended is None:
@@ -297,6 +309,45 @@ class RunStore:
             await _event(con, scope, run_id, kind.value, revision, {"output": output, "error": error})
             await outbox.write(con, outbox.run_event(event, correlation_id))
         return event
+
+    async def _end_at_once(
+        self,
+        scope: Scope,
+        run_id: str,
+        owner: str,
+        kind: RunEventKind,
+        state: RunState,
+        output: str | None,
+        error: str | None,
+        correlation_id: str | None,
+        own_messages: list[Message] | None,
+        revision: int,
+    ) -> RunEvent | None:
+        """``end_run`` as one statement; None when it matched nothing (and so wrote nothing)."""
+        event = RunEvent(kind=kind, run_id=run_id, revision=revision + 1, scope=scope, output=output, error=error)
+        announced = outbox.run_event(event, correlation_id)
+        # Encoded before the statement, like the step-by-step path: a message that cannot be stored
+        # (U+0000) is refused here, typed, with nothing written.
+        messages = rows.dump_list(rows.MESSAGES, own_messages) if own_messages else None
+        async with self.db.connection() as con:
+            ended = await con.fetchval(
+                "end_run_at_once",
+                run_id,
+                scope.app,
+                scope.tenant,
+                owner,
+                state.value,
+                output,
+                error,
+                revision,
+                messages,
+                error or kind.value,
+                uuid.uuid4(),
+                kind.value,
+                json.dumps({"output": output, "error": error}),
+                *outbox.columns(announced),
+            )
+        return event if ended is not None else None
 
     async def list_run_events(self, scope: Scope, run_id: str) -> list[dict[str, object]]:
         require_scope(scope)

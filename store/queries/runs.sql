@@ -120,3 +120,46 @@ SELECT event_id, kind, revision, data, created_at
   FROM run_events
  WHERE run_id = $1 AND app = $2 AND tenant = $3
  ORDER BY id;
+
+-- end_run_at_once --
+-- end_run and everything its transaction writes, as ONE statement (its own transaction): the terminal
+-- state (revision + 1, lease cleared), the run's own messages appended to its session (when $9 is set), its
+-- progress and any pause removed, undecided checkpoints closed, the metadata event and the run.* event.
+-- Every write hangs off the ended row, so an end that matches nothing writes nothing and returns no row.
+-- Pinned to the revision the caller holds ($8), so the caller knows the new revision ($8 + 1) before it
+-- writes the event body; an end that finds another revision matches nothing and the caller takes the
+-- step-by-step path. $1 id, $2 app, $3 tenant, $4 owner, $5 state, $6 output, $7 error, $8 revision,
+-- $9 own messages (NULL: none), $10 checkpoint reason, $11 run event id, $12 run event kind,
+-- $13 run event data, $14 outbox message_id, $15 outbox routing_key, $16 outbox body,
+-- $17 outbox correlation_id, $18 outbox headers
+WITH ended AS (
+    UPDATE runs
+       SET state = $5::run_state, revision = revision + 1, lease_owner = NULL, lease_expires_at = NULL,
+           output = $6, error = $7, updated_at = now(), ended_at = now()
+     WHERE id = $1 AND app = $2 AND tenant = $3 AND state = 'running'
+       AND $4::text <> '' AND lease_owner = $4 AND lease_expires_at > now()
+       AND revision = $8
+    RETURNING id, app, tenant, revision, session_id
+), saved AS (
+    INSERT INTO session_messages (app, tenant, session_id, run_id, message)
+    SELECT e.app, e.tenant, e.session_id, e.id, t.m
+      FROM ended e, jsonb_array_elements($9::jsonb) WITH ORDINALITY AS t (m, n)
+     WHERE $9::jsonb IS NOT NULL
+     ORDER BY t.n
+), no_progress AS (
+    DELETE FROM progress p USING ended e WHERE p.run_id = e.id
+), no_pause AS (
+    DELETE FROM suspensions s USING ended e WHERE s.run_id = e.id
+), closed AS (
+    UPDATE checkpoints k
+       SET state = 'rejected', reason = $10, decided_at = now()
+      FROM ended e
+     WHERE k.run_id = e.id AND k.state = 'pending'
+), noted AS (
+    INSERT INTO run_events (event_id, run_id, app, tenant, kind, revision, data)
+    SELECT $11::uuid, e.id, e.app, e.tenant, $12::text, e.revision, $13::jsonb FROM ended e
+), announced AS (
+    INSERT INTO outbox (message_id, routing_key, body, correlation_id, headers, app, tenant, run_id)
+    SELECT $14::uuid, $15::text, $16::text, $17::text, $18::jsonb, e.app, e.tenant, e.id FROM ended e
+)
+SELECT revision FROM ended;

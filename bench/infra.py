@@ -1,0 +1,344 @@
+"""What both benchmarks share: fresh databases and vhosts, CPU and memory readings from /proc, percentiles,
+the machine's description and the results file.
+
+Every benchmark works in a database and a RabbitMQ virtual host of its own, created for it and removed
+after it, so it never touches anybody else's data (the tests' or a soak's). CPU is read from
+``/proc/<pid>/stat`` (user + system time) before and after a measured phase, for the processes of each
+group: the Python processes (workers or the bare pipeline), every ``postgres`` process and RabbitMQ's
+``beam.smp``. The machine is shared, so every result also says whether a fault-injection soak
+(``bench.soak``) was running while it was taken; such figures are for development, not for the record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import asyncpg
+
+from store.migrate import ensure_database, migrate
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+NAME_PREFIX = "intermission_bench"
+CTL_SECONDS = 120.0
+
+
+# --- numbers --------------------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100) of ``values``; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(p / 100 * len(ordered))))
+    return ordered[rank - 1]
+
+
+def summary_ms(seconds: Sequence[float]) -> dict[str, float]:
+    """p50, p90, p99 and max of durations given in seconds, in milliseconds (3 decimals)."""
+    ms = [s * 1000 for s in seconds]
+    return {
+        "p50": round(percentile(ms, 50), 3),
+        "p90": round(percentile(ms, 90), 3),
+        "p99": round(percentile(ms, 99), 3),
+        "max": round(max(ms), 3) if ms else float("nan"),
+        "count": len(ms),
+    }
+
+
+# --- /proc ----------------------------------------------------------------------------------------------
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """utime + stime of ``pid`` in clock ticks, or None when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its closing one.
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def pids_named(comm: str) -> list[int]:
+    """Every process whose command name (``/proc/<pid>/comm``) is ``comm``."""
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() == comm:
+                found.append(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return found
+
+
+def status_kib(pid: int, key: str) -> int | None:
+    """A ``kB`` line of ``/proc/<pid>/status`` (VmHWM: peak resident memory; VmRSS: current)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
+def system_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    first = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    values = [int(v) for v in first]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return sum(values) - idle, sum(values)
+
+
+@dataclass
+class CpuReading:
+    """Ticks per pid of each group, and the machine's, at one instant."""
+
+    groups: dict[str, dict[int, int]]
+    system: tuple[int, int]
+    at: float
+
+
+@dataclass
+class CpuProbe:
+    """Reads CPU time of fixed pids (``python``: workers or the bare pipeline; ``driver``: this process)
+    and of the servers' processes, found anew at each reading: a backend that connects during the phase is
+    counted from zero."""
+
+    python: list[int]
+    driver: list[int] = field(default_factory=lambda: [os.getpid()])
+
+    def read(self) -> CpuReading:
+        groups: dict[str, Iterable[int]] = {
+            "python": self.python,
+            "postgres": pids_named("postgres"),
+            "rabbitmq": pids_named("beam.smp"),
+            "driver": self.driver,
+        }
+        ticks: dict[str, dict[int, int]] = {}
+        for name, pids in groups.items():
+            ticks[name] = {}
+            for pid in pids:
+                value = cpu_ticks(pid)
+                if value is not None:
+                    ticks[name][pid] = value
+        return CpuReading(ticks, system_ticks(), time.perf_counter())
+
+    @staticmethod
+    def used_ms(before: CpuReading, after: CpuReading) -> dict[str, float]:
+        """CPU milliseconds each group used between two readings, plus the whole machine's busy time and
+        ``other``: busy time no group accounts for (somebody else on the machine)."""
+        used: dict[str, float] = {}
+        for name, now in after.groups.items():
+            then = before.groups.get(name, {})
+            ticks = sum(value - then.get(pid, 0) for pid, value in now.items())
+            used[name] = ticks * 1000 / CLK_TCK
+        busy = (after.system[0] - before.system[0]) * 1000 / CLK_TCK
+        used["machine_busy"] = busy
+        used["other"] = max(0.0, busy - sum(v for k, v in used.items() if k != "machine_busy"))
+        used["wall"] = (after.at - before.at) * 1000
+        return used
+
+
+def per_item(used: dict[str, float], count: int) -> dict[str, float]:
+    return {k: round(v / count, 4) for k, v in used.items() if k != "wall"} if count else {}
+
+
+# --- the machine ----------------------------------------------------------------------------------------
+
+
+def _command_output(*argv: str) -> str:
+    if shutil.which(argv[0]) is None:
+        return ""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=10)  # noqa: S603
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout
+
+
+def soak_processes() -> list[str]:
+    """Command lines of a fault-injection soak running on this machine (another engineer's)."""
+    return [
+        line
+        for line in _command_output("pgrep", "-af", "bench.soak").splitlines()
+        if line.strip() and str(os.getpid()) != line.split()[0]
+    ]
+
+
+def machine() -> dict[str, Any]:
+    mem_kib = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            mem_kib = int(line.split()[1])
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "lscpu": [line.strip() for line in _command_output("lscpu").splitlines()[:15]],
+        "memory_gib": round(mem_kib / 1024 / 1024, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "postgres": _command_output("psql", "--version").strip(),
+        "rabbitmq": _command_output("rabbitmqctl", "-q", "version").strip(),
+    }
+
+
+def write_results(kind: str, data: dict[str, Any], out: Path | None = None) -> Path:
+    """Write ``data`` as JSON to ``out`` or to bench/results/<kind>-<UTC time>.json; returns the path."""
+    if out is None:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        out = RESULTS_DIR / f"{kind}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    return out
+
+
+# --- PostgreSQL -----------------------------------------------------------------------------------------
+
+
+def with_database(dsn: str, name: str) -> str:
+    return urlunsplit(urlsplit(dsn)._replace(path=f"/{name}"))
+
+
+def fresh_name(label: str) -> str:
+    return f"{NAME_PREFIX}_{label}_{uuid.uuid4().hex[:10]}"
+
+
+async def fresh_database(server_dsn: str, label: str, *, migrated: bool = True) -> str:
+    """A new database on the server of ``server_dsn``, migrated like ``intermission migrate`` does it
+    (ensure_database, then migrate); returns its DSN."""
+    dsn = with_database(server_dsn, fresh_name(label))
+    await ensure_database(dsn)
+    if migrated:
+        await migrate(dsn)
+    return dsn
+
+
+async def drop_database(dsn: str) -> None:
+    name = urlsplit(dsn).path.lstrip("/")
+    if not name.startswith(NAME_PREFIX):
+        raise ValueError(f"refusing to drop {name!r}: not a benchmark database")
+    con = await asyncpg.connect(with_database(dsn, "postgres"))
+    try:
+        # The name was made by fresh_name (a fixed prefix and hex) and checked above.
+        await con.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await con.close()
+
+
+# --- RabbitMQ -------------------------------------------------------------------------------------------
+
+
+def vhost_url(base_url: str, vhost: str) -> str:
+    parts = urlsplit(base_url)
+    return urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
+
+
+def url_user(url: str) -> str:
+    return urlsplit(url).username or "guest"
+
+
+def write_readable(folder: Path, definitions: dict[str, Any]) -> Path:
+    path = folder / "definitions.json"
+    path.write_text(json.dumps(definitions))
+    # rabbitmqctl may read it as the rabbitmq user.
+    path.chmod(0o644)
+    folder.chmod(0o755)
+    return path
+
+
+class RabbitAdmin:
+    """Virtual hosts of the benchmark's own, through ``rabbitmqctl`` (each call boots an Erlang VM, so
+    vhosts are made in ONE ``import_definitions`` call and removed in one ``eval`` where possible)."""
+
+    def __init__(self, ctl: Sequence[str], user: str) -> None:
+        self.ctl = list(ctl)
+        self.user = user
+        self.made: list[str] = []
+
+    async def _run(self, *args: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            *self.ctl, "-q", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        try:
+            async with asyncio.timeout(CTL_SECONDS):
+                out, err = await proc.communicate()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise RuntimeError(f"rabbitmqctl {args[0]} did not finish within {CTL_SECONDS} s") from None
+        if proc.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {args[0]} failed ({proc.returncode}): {err.decode().strip()}")
+        return out.decode()
+
+    async def add_vhosts(self, labels: Sequence[str]) -> list[str]:
+        names = [fresh_name(label).replace("_", "-") for label in labels]
+        definitions = {
+            "vhosts": [{"name": n} for n in names],
+            "permissions": [
+                {"user": self.user, "vhost": n, "configure": ".*", "write": ".*", "read": ".*"} for n in names
+            ],
+        }
+        with tempfile.TemporaryDirectory() as folder:
+            path = write_readable(Path(folder), definitions)
+            await self._run("import_definitions", str(path))
+        self.made.extend(names)
+        return names
+
+    async def delete_all(self) -> None:
+        names, self.made = self.made, []
+        if not names:
+            return
+        listed = ",".join(f'"{n}"' for n in names)
+        expression = (
+            f'[N || N <- [{listed}], (catch rabbit_vhost:delete(list_to_binary(N), <<"intermission-bench">>)) =/= ok].'
+        )
+        try:
+            if (await self._run("eval", expression)).strip() == "[]":
+                return
+        except RuntimeError:
+            pass
+        for name in names:
+            try:
+                await self._run("delete_vhost", name)
+            except RuntimeError as exc:
+                print(f"warning: vhost {name} not deleted: {exc}")
+
+
+# --- subprocesses ---------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def stop_process(proc: asyncio.subprocess.Process, grace: float = 20.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds."""
+    if proc.returncode is not None:
+        return
+    proc.terminate()
+    try:
+        async with asyncio.timeout(grace):
+            await proc.wait()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()

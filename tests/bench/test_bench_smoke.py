@@ -1,0 +1,98 @@
+"""The benchmarks run and produce their figures: ``python -m bench.resume --quick`` and
+``python -m bench.scaling --quick``, each in a subprocess against the tests' PostgreSQL and RabbitMQ.
+
+Only the presence of the figures is checked, never their values: a quick run's numbers mean nothing, and
+no test asserts a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.amqp import Broker
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+LATENCY = {"p50", "p90", "p99", "max", "count"}
+CPU = {"python", "postgres", "rabbitmq", "driver", "machine_busy", "other"}
+
+
+def holds(figures: dict[str, Any], *keys: str) -> None:
+    """``figures`` has every one of ``keys``."""
+    missing = set(keys) - set(figures)
+    assert not missing, f"missing {sorted(missing)} in {sorted(figures)}"
+
+
+def latency(figures: dict[str, Any]) -> None:
+    holds(figures, *LATENCY)
+
+
+async def bench(module: str, out: Path, pg_server: str, rabbit: Broker) -> dict[str, Any]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        module,
+        "--quick",
+        "--database-url",
+        pg_server,
+        "--amqp-url",
+        rabbit.base_url,
+        "--rabbitmqctl",
+        shlex.join(rabbit.ctl),
+        "--out",
+        str(out),
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    printed, _ = await proc.communicate()
+    assert proc.returncode == 0, printed.decode(errors="replace")[-4000:]
+    assert f"results: {out}" in printed.decode()
+    figures: dict[str, Any] = json.loads(await asyncio.to_thread(out.read_text))
+    return figures
+
+
+@pytest.mark.timeout(240)
+async def test_the_resume_benchmark_produces_its_figures(pg_server: str, rabbit: Broker, tmp_path: Path) -> None:
+    figures = await bench("bench.resume", tmp_path / "resume.json", pg_server, rabbit)
+    assert figures["benchmark"] == "resume"
+    holds(figures["machine"], "date", "nproc", "memory_gib", "lscpu")
+    limit = figures["limit"]
+    holds(limit, "per_second", "latency_ms", "cpu_ms_per_message", "peak_rss_mib")
+    latency(limit["latency_ms"])
+    holds(limit["cpu_ms_per_message"], *CPU)
+    assert set(figures["intermission"]) == {"1", "2"}
+    for measured in figures["intermission"].values():
+        holds(measured, "per_second", "latency_ms", "cpu_ms_per_resume", "peak_rss_mib", "database_per_resume")
+        latency(measured["latency_ms"])
+        holds(measured["cpu_ms_per_resume"], *CPU)
+    latency(figures["unloaded"]["latency_ms"])
+    holds(figures["ratios"], "1_workers_to_limit", "2_workers_to_limit", "2_workers_to_1")
+    assert len(figures["targets"]) == 4
+    for target in figures["targets"]:
+        holds(target, "target", "value", "met")
+
+
+@pytest.mark.timeout(240)
+async def test_the_scaling_benchmark_produces_its_figures(pg_server: str, rabbit: Broker, tmp_path: Path) -> None:
+    figures = await bench("bench.scaling", tmp_path / "scaling.json", pg_server, rabbit)
+    assert figures["benchmark"] == "scaling"
+    assert len(figures["sizes"]) == 2
+    for measured in figures["sizes"].values():
+        latency(measured["claim"])
+        latency(measured["resume"])
+    sweeper = figures["sweeper"]
+    latency(sweeper["baseline"]["claim"])
+    latency(sweeper["during_sweep"]["claim"])
+    holds(sweeper, "sweep_published", "sweep_completed", "sweep_per_second")
+    assert len(figures["targets"]) == 2
+    for target in figures["targets"]:
+        holds(target, "target", "value", "met")

@@ -1,0 +1,272 @@
+"""The one-statement paths (a resume command in one read and ONE writing statement, a run's end in ONE
+statement) write exactly what the step-by-step transactions write, and everything unusual falls through
+to those transactions: a duplicate, a message_id conflict, a malformed row, a lost lease, a race."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from schemas.errors import InvalidContinuation, MessageIdConflict, NotSuspended, RunConflict, RunLeaseLost
+from schemas.llm import Message, Role
+from schemas.names import RunEventKind
+from schemas.run import Lease
+from schemas.scope import Scope
+from store import Stores
+from store.commands import Claimed, CommandStore, RunDefaults
+from store.inbox import AlreadyApplied, Receipt
+from tests.conftest import MakeStores, race
+from tests.factories import PausedRun, lease, paused_run, running_run
+from tests.integration.test_store_support import Inspector, inspector, pin, unexpected, winners
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[Inspector]:
+    async with inspector(database_url) as i:
+        yield i
+
+
+def answer(p: PausedRun, content: str = "sunny") -> ResumeCommand:
+    return ResumeCommand(
+        scope=p.run.scope,
+        version=pin(p),
+        results=[ToolAnswer(call_id=c.id, content=content) for c in p.suspension.pending],
+    )
+
+
+def receipt(cmd: ResumeCommand, message_id: str | None = None) -> Receipt:
+    return Receipt.of(message_id or str(uuid.uuid4()), "run.resume", cmd)
+
+
+async def step_by_step(monkeypatch: pytest.MonkeyPatch, commands: CommandStore) -> None:
+    """Make ``commands`` skip its one-statement resume, so the step-by-step transaction does it."""
+
+    async def skipped(*_args: Any) -> Claimed | None:
+        return None
+
+    monkeypatch.setattr(commands, "_resume_at_once", skipped)
+
+
+async def written(db: Inspector, run_id: str) -> dict[str, Any]:
+    """What a resume left for ``run_id``, without the values that differ from run to run."""
+    run = await db.con.fetchrow(
+        "SELECT state::text, revision, lease_owner IS NOT NULL AS leased, lease_expires_at > now() AS live"
+        "  FROM runs WHERE id = $1",
+        run_id,
+    )
+    progress = await db.con.fetchrow(
+        "SELECT continuation, started, done, ending, approved FROM progress WHERE run_id = $1", run_id
+    )
+    inbox = await db.con.fetch("SELECT routing_key, outcome FROM inbox WHERE run_id = $1", run_id)
+    events = await db.con.fetch(
+        "SELECT routing_key, body, correlation_id, headers FROM outbox"
+        " WHERE run_id = $1 AND routing_key LIKE 'run.%' ORDER BY id",
+        run_id,
+    )
+    assert progress is not None
+    return {
+        "run": dict(run) if run is not None else None,
+        "pause": await db.suspension(run_id),
+        "progress": {k: json.loads(v) if v is not None else None for k, v in progress.items()},
+        "inbox": [dict(r) for r in inbox],
+        "events": [
+            {**dict(e), "body": {k: v for k, v in json.loads(e["body"]).items() if k != "run_id"}} for e in events
+        ],
+    }
+
+
+async def test_a_resume_in_one_statement_writes_what_the_step_by_step_transaction_writes(
+    stores: Stores, db: Inspector, scope: Scope, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast, slow = await paused_run(stores, scope), await paused_run(stores, scope)
+    held = lease()
+    claimed_fast = await stores.commands.resume(answer(fast), held, receipt=receipt(answer(fast)), correlation_id="m")
+    await step_by_step(monkeypatch, stores.commands)
+    claimed_slow = await stores.commands.resume(answer(slow), held, receipt=receipt(answer(slow)), correlation_id="m")
+
+    wrote_fast, wrote_slow = await written(db, fast.run.id), await written(db, slow.run.id)
+    assert wrote_fast == wrote_slow
+    assert wrote_fast["run"] == {"state": "running", "revision": fast.revision + 1, "leased": True, "live": True}
+    assert wrote_fast["pause"] is None
+    assert wrote_fast["inbox"] == [{"routing_key": "run.resume", "outcome": "applied"}]
+    assert [e["body"]["revision"] for e in wrote_fast["events"]][-1] == fast.revision + 1
+    # What the fleet is handed is the same too, and matches the rows.
+    for claimed, p in ((claimed_fast, fast), (claimed_slow, slow)):
+        stored = await stores.runs.get_run(scope, p.run.id)
+        assert claimed.run == stored
+        assert claimed.progress.continuation == p.suspension.continuation
+        assert [(r.call_id, r.content) for r in claimed.progress.done] == [("c1", "sunny")]
+        assert claimed.progress.scope == scope
+        assert claimed.correlation_id == "m"
+
+
+async def test_a_message_id_recorded_for_another_command_is_a_conflict_and_the_resume_writes_nothing(
+    stores: Stores, db: Inspector, scope: Scope
+) -> None:
+    p = await paused_run(stores, scope)
+    start = StartCommand(scope=scope, run_id=f"run-{uuid.uuid4().hex[:8]}", agent_id="demo")
+    defaults = RunDefaults(pause_ttl_seconds=0, max_steps=8)
+    await stores.commands.start(start, defaults, lease(), receipt=Receipt.of("taken", "run.start", start))
+    before = await db.snapshot()
+
+    with pytest.raises(MessageIdConflict):
+        await stores.commands.resume(answer(p), lease(), receipt=receipt(answer(p), "taken"))
+    assert await db.snapshot() == before
+
+
+async def test_a_resume_delivered_again_after_it_applied_is_a_duplicate_and_writes_nothing(
+    stores: Stores, db: Inspector, scope: Scope
+) -> None:
+    p = await paused_run(stores, scope)
+    cmd = answer(p)
+    once = receipt(cmd)
+    await stores.commands.resume(cmd, lease(), receipt=once)
+    before = await db.snapshot()
+    with pytest.raises(AlreadyApplied):
+        await stores.commands.resume(cmd, lease(), receipt=once)
+    assert await db.snapshot() == before
+
+
+async def test_the_same_resume_delivered_twice_at_once_has_one_effect(
+    make_stores: MakeStores, db: Inspector, scope: Scope
+) -> None:
+    contenders = await make_stores(2)
+
+    async def one_round() -> tuple[PausedRun, list[Any]]:
+        p = await paused_run(contenders[0], scope)
+        cmd = answer(p)
+        once = receipt(cmd)
+        return p, await race(2, lambda i: contenders[i].commands.resume(cmd, lease(), receipt=once))
+
+    for _ in range(5):
+        p, results = await one_round()
+        assert len(winners(results)) == 1
+        assert unexpected(results, (AlreadyApplied,)) == []
+        assert await db.count("inbox", p.run.id) == 1
+        assert await db.count("outbox", p.run.id) == 2  # the pause's notice and one run.resumed
+        assert (await db.run(p.run.id))["revision"] == p.revision + 1
+
+
+async def test_different_resumes_of_one_pause_at_once_claim_it_once(
+    make_stores: MakeStores, db: Inspector, scope: Scope
+) -> None:
+    contenders = await make_stores(16)
+    p = await paused_run(contenders[0], scope)
+    results = await race(
+        16,
+        lambda i: contenders[i].commands.resume(answer(p, f"answer {i}"), lease(), receipt=receipt(answer(p))),
+    )
+    assert len(winners(results)) == 1
+    assert unexpected(results, (NotSuspended, RunConflict)) == []
+    assert await db.count("inbox", p.run.id) == 1
+    assert await db.count("progress", p.run.id) == 1
+    assert (await db.run(p.run.id))["revision"] == p.revision + 1
+
+
+@pytest.mark.parametrize(
+    ("column", "bad"),
+    [("suspensions.continuation", '{"step_index": "three"}'), ("runs.config", '{"tools_restricted": "maybe"}')],
+)
+async def test_a_resume_of_a_row_that_does_not_decode_is_invalid_continuation_and_writes_nothing(
+    stores: Stores, db: Inspector, scope: Scope, column: str, bad: str
+) -> None:
+    p = await paused_run(stores, scope)
+    table, field = column.split(".")
+    key = "run_id" if table == "suspensions" else "id"
+    await db.con.execute(f"UPDATE {table} SET {field} = $2::jsonb WHERE {key} = $1", p.run.id, bad)
+    before = await db.snapshot()
+    with pytest.raises(InvalidContinuation):
+        await stores.commands.resume(answer(p), lease(), receipt=receipt(answer(p)))
+    assert await db.snapshot() == before
+    assert (await db.run(p.run.id))["state"] == "paused"
+
+
+# --- ends -----------------------------------------------------------------------------------------------
+
+
+async def ended_rows(db: Inspector, run_id: str) -> dict[str, Any]:
+    run = await db.con.fetchrow(
+        "SELECT state::text, revision, lease_owner, output, error, ended_at IS NOT NULL AS ended"
+        "  FROM runs WHERE id = $1",
+        run_id,
+    )
+    assert run is not None
+    events = await db.con.fetch("SELECT kind, revision, data FROM run_events WHERE run_id = $1 ORDER BY id", run_id)
+    outbox = await db.con.fetch("SELECT routing_key, body, headers FROM outbox WHERE run_id = $1 ORDER BY id", run_id)
+    session = await db.con.fetch("SELECT message FROM session_messages WHERE run_id = $1 ORDER BY id", run_id)
+    checkpoints = await db.con.fetch("SELECT state, reason FROM checkpoints WHERE run_id = $1", run_id)
+    return {
+        "run": dict(run),
+        "events": [(e["kind"], e["revision"], json.loads(e["data"])) for e in events],
+        "outbox": [
+            (o["routing_key"], {k: v for k, v in json.loads(o["body"]).items() if k != "run_id"}, o["headers"])
+            for o in outbox
+        ],
+        "session": [json.loads(m["message"]) for m in session],
+        "checkpoints": [dict(c) for c in checkpoints],
+        "progress": await db.count("progress", run_id),
+        "pause": await db.count("suspensions", run_id),
+    }
+
+
+async def test_an_end_in_one_statement_writes_what_the_transaction_writes(
+    stores: Stores, db: Inspector, scope: Scope
+) -> None:
+    own = [Message(role=Role.USER, content="hi"), Message(role=Role.ASSISTANT, content="done, héllo")]
+    found: list[dict[str, Any]] = []
+    for at_revision in (True, False):
+        run, held = await running_run(stores, scope)
+        await db.con.execute(
+            "INSERT INTO checkpoints (run_id, suspension_id, app, tenant) VALUES ($1, 0, $2, $3)",
+            run.id,
+            scope.app,
+            scope.tenant,
+        )
+        event = await stores.runs.end_run(
+            scope,
+            run.id,
+            held.owner,
+            RunEventKind.COMPLETED,
+            output="out",
+            own_messages=own,
+            correlation_id="c",
+            at_revision=run.revision if at_revision else None,
+        )
+        assert event.revision == run.revision + 1
+        found.append(await ended_rows(db, run.id))
+    assert found[0] == found[1]
+    assert found[0]["run"]["state"] == "completed"
+    assert found[0]["checkpoints"] == [{"state": "rejected", "reason": "completed"}]
+    assert [m["content"] for m in found[0]["session"]] == ["hi", "done, héllo"]
+
+
+async def test_an_end_at_another_revision_falls_back_and_ends_the_run_once(
+    stores: Stores, db: Inspector, scope: Scope
+) -> None:
+    run, held = await running_run(stores, scope)
+    event = await stores.runs.end_run(
+        scope, run.id, held.owner, RunEventKind.FAILED, error="boom", at_revision=run.revision + 7
+    )
+    assert event.revision == run.revision + 1
+    rows = await ended_rows(db, run.id)
+    assert rows["run"]["revision"] == run.revision + 1
+    assert len(rows["events"]) == 1
+    assert len(rows["outbox"]) == 1
+
+
+async def test_an_end_by_a_worker_that_does_not_hold_the_run_writes_nothing(
+    stores: Stores, db: Inspector, scope: Scope
+) -> None:
+    run, _held = await running_run(stores, scope)
+    before = await db.snapshot()
+    intruder = Lease(owner="somebody-else", ttl_seconds=30)
+    with pytest.raises(RunLeaseLost):
+        await stores.runs.end_run(scope, run.id, intruder.owner, RunEventKind.COMPLETED, at_revision=run.revision)
+    assert await db.snapshot() == before
