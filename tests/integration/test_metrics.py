@@ -65,3 +65,6 @@ async def test_a_worker_counts_commands_and_runs(
             )
 
         await eventually(counted, what="the worker's metrics")
+        text = await asyncio.to_thread(scrape, port)
+        assert 'intermission_commands_total{code="",command="run.start",outcome="applied"} 1.0' in text
+        assert "intermission_runs_running" in text
