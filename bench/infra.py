@@ -30,6 +30,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import asyncpg
 
+from bench.rabbitctl import delete_vhosts, rabbitmqctl, write_definitions
 from store.migrate import ensure_database, migrate
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -37,7 +38,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 NAME_PREFIX = "intermission_bench"
-CTL_SECONDS = 120.0
 
 
 # --- numbers --------------------------------------------------------------------------------------------
@@ -259,15 +259,6 @@ def url_user(url: str) -> str:
     return urlsplit(url).username or "guest"
 
 
-def write_readable(folder: Path, definitions: dict[str, Any]) -> Path:
-    path = folder / "definitions.json"
-    path.write_text(json.dumps(definitions))
-    # rabbitmqctl may read it as the rabbitmq user.
-    path.chmod(0o644)
-    folder.chmod(0o755)
-    return path
-
-
 class RabbitAdmin:
     """Virtual hosts of the benchmark's own, through ``rabbitmqctl`` (each call boots an Erlang VM, so
     vhosts are made in ONE ``import_definitions`` call and removed in one ``eval`` where possible)."""
@@ -276,21 +267,6 @@ class RabbitAdmin:
         self.ctl = list(ctl)
         self.user = user
         self.made: list[str] = []
-
-    async def _run(self, *args: str) -> str:
-        proc = await asyncio.create_subprocess_exec(
-            *self.ctl, "-q", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-        )
-        try:
-            async with asyncio.timeout(CTL_SECONDS):
-                out, err = await proc.communicate()
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise RuntimeError(f"rabbitmqctl {args[0]} did not finish within {CTL_SECONDS} s") from None
-        if proc.returncode != 0:
-            raise RuntimeError(f"rabbitmqctl {args[0]} failed ({proc.returncode}): {err.decode().strip()}")
-        return out.decode()
 
     async def add_vhosts(self, labels: Sequence[str]) -> list[str]:
         names = [fresh_name(label).replace("_", "-") for label in labels]
@@ -301,29 +277,15 @@ class RabbitAdmin:
             ],
         }
         with tempfile.TemporaryDirectory() as folder:
-            path = write_readable(Path(folder), definitions)
-            await self._run("import_definitions", str(path))
+            path = write_definitions(Path(folder), definitions)
+            await rabbitmqctl(self.ctl, "import_definitions", str(path))
         self.made.extend(names)
         return names
 
     async def delete_all(self) -> None:
         names, self.made = self.made, []
-        if not names:
-            return
-        listed = ",".join(f'"{n}"' for n in names)
-        expression = (
-            f'[N || N <- [{listed}], (catch rabbit_vhost:delete(list_to_binary(N), <<"intermission-bench">>)) =/= ok].'
-        )
-        try:
-            if (await self._run("eval", expression)).strip() == "[]":
-                return
-        except RuntimeError:
-            pass
-        for name in names:
-            try:
-                await self._run("delete_vhost", name)
-            except RuntimeError as exc:
-                print(f"warning: vhost {name} not deleted: {exc}")
+        for problem in await delete_vhosts(self.ctl, names, who="intermission-bench"):
+            print(f"warning: not deleted: {problem}")
 
 
 # --- subprocesses ---------------------------------------------------------------------------------------

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import base64
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +38,16 @@ import pytest
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from yarl import URL
 
+from bench.rabbitctl import (
+    BrokerBroken,
+    delete_vhosts,
+    full_rights,
+    rabbitmqctl,
+    restart_app,
+    settle_dead_lettering,
+    user_definition,
+    write_definitions,
+)
 from fleet.topology import declare
 from publishers.amqp import connect
 
@@ -53,21 +61,6 @@ RECONNECT_SECONDS = 0.3
 WAIT_SECONDS = 15.0
 DELIVERY_LIMIT = 5
 CTL_SECONDS = 120.0
-
-
-def _password_hash(password: str) -> str:
-    """RabbitMQ's rabbit_password_hashing_sha256: base64(salt + sha256(salt + password)), 4-byte salt."""
-    salt = secrets.token_bytes(4)
-    return base64.b64encode(salt + hashlib.sha256(salt + password.encode()).digest()).decode()
-
-
-def _write_definitions(folder: Path, definitions: dict[str, Any]) -> str:
-    path = folder / "definitions.json"
-    path.write_text(json.dumps(definitions))
-    # Readable by all: rabbitmqctl may read it as the rabbitmq user. The hashes are of throwaway passwords.
-    path.chmod(0o644)
-    folder.chmod(0o755)
-    return str(path)
 
 
 @dataclass(frozen=True)
@@ -106,19 +99,7 @@ class Broker:
     deleter: asyncio.Task[None] | None = None
 
     async def _run(self, *args: str) -> str:
-        proc = await asyncio.create_subprocess_exec(
-            *self.ctl, "-q", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-        )
-        try:
-            async with asyncio.timeout(CTL_SECONDS):
-                out, err = await proc.communicate()
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise RuntimeError(f"rabbitmqctl {args[0]} did not finish within {CTL_SECONDS} s") from None
-        if proc.returncode != 0:
-            raise RuntimeError(f"rabbitmqctl {args[0]} failed ({proc.returncode}): {err.decode().strip()}")
-        return out.decode()
+        return await rabbitmqctl(self.ctl, *args)
 
     async def run(self, *args: str) -> str:
         async with self.admin:
@@ -137,24 +118,12 @@ class Broker:
     async def _import(self, vhosts: Sequence[str]) -> None:
         users = (self.bus, self.host)
         definitions = {
-            "users": [
-                {
-                    "name": u.name,
-                    "password_hash": _password_hash(u.password),
-                    "hashing_algorithm": "rabbit_password_hashing_sha256",
-                    "tags": [],
-                }
-                for u in users
-            ],
+            "users": [user_definition(u.name, u.password) for u in users],
             "vhosts": [{"name": v} for v in vhosts],
-            "permissions": [
-                {"user": who, "vhost": v, "configure": ".*", "write": ".*", "read": ".*"}
-                for v in vhosts
-                for who in ("guest", *(u.name for u in users))
-            ],
+            "permissions": [full_rights(who, v) for v in vhosts for who in ("guest", *(u.name for u in users))],
         }
         with tempfile.TemporaryDirectory() as folder:
-            await self._run("import_definitions", _write_definitions(Path(folder), definitions))
+            await self._run("import_definitions", str(write_definitions(Path(folder), definitions)))
 
     def discard_vhost(self, name: str) -> None:
         """Delete ``name`` in the background; the session waits for it at its end."""
@@ -172,25 +141,10 @@ class Broker:
             await self.delete_vhosts([n for n in names if n is not None])
 
     async def delete_vhosts(self, names: Sequence[str]) -> None:
-        """Delete ``names`` with ONE rabbitmqctl call where the node allows it (``rabbit_vhost:delete/2``
-        through ``eval``: every ``delete_vhost`` call would boot a VM of its own), else one by one."""
-        if not names:
-            return
-        listed = ",".join(f'"{n}"' for n in names)
-        # The expression's value lists the names it could not delete; "[]" means all went.
-        expression = (
-            f'[N || N <- [{listed}], (catch rabbit_vhost:delete(list_to_binary(N), <<"intermission-tests">>)) =/= ok].'
-        )
-        try:
-            if (await self.run("eval", expression)).strip() == "[]":
-                return
-        except RuntimeError as exc:
-            log.info("bulk vhost deletion unavailable, deleting one by one: %s", exc)
-        for name in names:
-            try:
-                await self.run("delete_vhost", name)
-            except RuntimeError as exc:
-                log.warning("vhost %s not deleted: %s", name, exc)
+        """Delete ``names`` (one ``eval``, after RabbitMQ's dead-letter workers settled: bench/rabbitctl.py)."""
+        async with self.admin:
+            for problem in await delete_vhosts(self.ctl, names, who="intermission-tests"):
+                log.warning("not deleted: %s", problem)
 
     @asynccontextmanager
     async def stopped(self) -> AsyncIterator[None]:
@@ -204,7 +158,9 @@ class Broker:
             try:
                 yield
             finally:
-                await self._run("start_app")
+                # Back only once the recovered queues' dead-letter workers have started: a vhost deleted
+                # before that can break the node for everybody (bench/rabbitctl.py).
+                await restart_app(self.ctl)
                 atexit.unregister(self._start_app_now)
 
     def _start_app_now(self) -> None:
@@ -215,11 +171,10 @@ class Broker:
             self.condemned.put_nowait(None)
             await self.deleter
         await self.delete_vhosts(self.fresh)
-        for user in (self.bus, self.host):
-            try:
-                await self._run("delete_user", user.name)
-            except RuntimeError as exc:
-                log.warning("user %s not deleted: %s", user.name, exc)
+        async with self.admin:
+            users = [self.bus.name, self.host.name]
+            for problem in await delete_vhosts(self.ctl, [], users=users, who="intermission-tests"):
+                log.warning("not deleted: %s", problem)
 
 
 async def _reachable(url: str) -> bool:
@@ -246,7 +201,10 @@ async def rabbit(request: pytest.FixtureRequest) -> AsyncIterator[Broker]:
         expected=sum("amqp_vhost" in getattr(item, "fixturenames", ()) for item in request.session.items),
     )
     try:
-        await broker.run("status")
+        # Also proves the node can still declare the topology's queues (bench/rabbitctl.py).
+        await settle_dead_lettering(ctl)
+    except BrokerBroken as exc:
+        pytest.exit(str(exc), 2)
     except (RuntimeError, OSError) as exc:
         pytest.exit(f"rabbitmqctl ({shlex.join(ctl)}) cannot administer the test broker: {exc}", 2)
     yield broker

@@ -12,10 +12,6 @@ Passwords are generated here, never printed: URLs are shown through ``publishers
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import hashlib
-import json
 import logging
 import os
 import secrets
@@ -29,11 +25,11 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 from yarl import URL
 
+from bench.rabbitctl import delete_vhosts, full_rights, rabbitmqctl, user_definition, write_definitions
 from store.migrate import migrate
 
 log = logging.getLogger("soak.env")
 
-CTL_SECONDS = 120.0
 ROLES = ("worker", "bus", "host", "approver-1", "approver-2", "mallory")
 
 
@@ -67,38 +63,6 @@ def rabbitmqctl_argv() -> list[str]:
 
 def with_database(dsn: str, name: str) -> str:
     return urlunsplit(urlsplit(dsn)._replace(path=f"/{name}"))
-
-
-async def rabbitmqctl(ctl: list[str], *args: str, within: float = CTL_SECONDS) -> str:
-    """Run ``rabbitmqctl -q ARGS``; RuntimeError (with its stderr) when it fails."""
-    proc = await asyncio.create_subprocess_exec(
-        *ctl, "-q", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    try:
-        async with asyncio.timeout(within):
-            out, err = await proc.communicate()
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise RuntimeError(f"rabbitmqctl {args[0]} did not finish within {within} s") from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"rabbitmqctl {args[0]} failed ({proc.returncode}): {err.decode().strip()[:500]}")
-    return out.decode()
-
-
-def _password_hash(password: str) -> str:
-    """RabbitMQ's rabbit_password_hashing_sha256: base64(salt + sha256(salt + password)), 4-byte salt."""
-    salt = secrets.token_bytes(4)
-    return base64.b64encode(salt + hashlib.sha256(salt + password.encode()).digest()).decode()
-
-
-def _write_definitions(folder: Path, definitions: dict[str, Any]) -> str:
-    path = folder / "definitions.json"
-    path.write_text(json.dumps(definitions))
-    # rabbitmqctl may read it as the rabbitmq user; the hashes are of throwaway passwords.
-    path.chmod(0o644)
-    folder.chmod(0o755)
-    return str(path)
 
 
 @dataclass(frozen=True)
@@ -162,26 +126,15 @@ class SoakEnv:
     async def _create_vhost(self) -> None:
         admin = URL(self.admin_url).user or "guest"
         definitions: dict[str, Any] = {
-            "users": [
-                {
-                    "name": u.name,
-                    "password_hash": _password_hash(u.password),
-                    "hashing_algorithm": "rabbit_password_hashing_sha256",
-                    "tags": [],
-                }
-                for u in self.users.values()
-            ],
+            "users": [user_definition(u.name, u.password) for u in self.users.values()],
             "vhosts": [{"name": self.vhost}],
             # Everybody may publish and consume in the vhost: authority is the fleet's to enforce, from the
             # broker-validated user_id, not the broker's permissions.
-            "permissions": [
-                {"user": who, "vhost": self.vhost, "configure": ".*", "write": ".*", "read": ".*"}
-                for who in (admin, *(u.name for u in self.users.values()))
-            ],
+            "permissions": [full_rights(who, self.vhost) for who in (admin, *(u.name for u in self.users.values()))],
         }
         with tempfile.TemporaryDirectory() as folder:
-            path = _write_definitions(Path(folder), definitions)
-            await rabbitmqctl(self.ctl, "import_definitions", path)
+            path = write_definitions(Path(folder), definitions)
+            await rabbitmqctl(self.ctl, "import_definitions", str(path))
         self.created_vhost = True
 
     async def destroy(self) -> list[str]:
@@ -201,22 +154,5 @@ class SoakEnv:
         return problems
 
     async def _delete_vhost_and_users(self) -> list[str]:
-        names = ",".join(f'<<"{u.name}">>' for u in self.users.values())
-        # One rabbitmqctl call (each boots an Erlang VM): the vhost, then every user; "ok" when all went.
-        expression = (
-            f'ok = rabbit_vhost:delete(<<"{self.vhost}">>, <<"intermission-soak">>), '
-            f'[ok = rabbit_auth_backend_internal:delete_user(N, <<"intermission-soak">>) || N <- [{names}]], ok.'
-        )
-        try:
-            if (await rabbitmqctl(self.ctl, "eval", expression)).strip() == "ok":
-                return []
-        except RuntimeError as exc:
-            log.info("bulk removal unavailable, removing one by one: %s", exc)
-        problems: list[str] = []
-        for args in (("delete_vhost", self.vhost), *(("delete_user", u.name) for u in self.users.values())):
-            try:
-                await rabbitmqctl(self.ctl, *args)
-            except RuntimeError as exc:
-                if "does_not_exist" not in str(exc) and "not found" not in str(exc).lower():
-                    problems.append(f"{args[0]} {args[1]}: {exc}")
-        return problems
+        users = [u.name for u in self.users.values()]
+        return await delete_vhosts(self.ctl, [self.vhost], users=users, who="intermission-soak")

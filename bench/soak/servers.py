@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
-from bench.soak.env import rabbitmqctl
+from bench.rabbitctl import rabbitmqctl, settle_dead_lettering
 
 log = logging.getLogger("soak.servers")
 
@@ -159,7 +159,11 @@ class ServerFaults:
                 _disarm("rabbit")
                 if not ok:
                     raise RuntimeError("rabbitmqctl start_app failed: RabbitMQ may be down")
-            return time.monotonic() - began
+            down = time.monotonic() - began
+            # Over only once the recovered queues' dead-letter workers have started (bench/rabbitctl.py):
+            # the soak's end deletes its vhost, and a deletion before that can break the node.
+            await settle_dead_lettering(self.ctl)
+            return down
 
     async def pg_outage(self, hold: float) -> float:
         """Stop the PostgreSQL cluster (fast mode), ``hold`` seconds, start it (always) and wait until it
