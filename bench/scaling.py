@@ -59,6 +59,7 @@ from bench.infra import (
     DEFAULT_AMQP_URL,
     DEFAULT_DATABASE_URL,
     ROOT,
+    CpuProbe,
     RabbitAdmin,
     drop_database,
     fresh_database,
@@ -173,6 +174,9 @@ async def load(con: asyncpg.Connection[Any], docs: dict[str, str], first: int, l
         print(f"  loaded {end - first + 1} of {last - first + 1}", flush=True)
     await con.execute("VACUUM ANALYZE runs")
     await con.execute("VACUUM ANALYZE suspensions")
+    # The load wrote gigabytes of WAL: flush it now, so that the claims are timed on the tables at this size
+    # and not against the checkpoint the load itself set off.
+    await con.execute("CHECKPOINT")
 
 
 async def suspension_ids(con: asyncpg.Connection[Any], numbers: list[int]) -> dict[int, int]:
@@ -219,6 +223,12 @@ async def time_claims(
             await stores.commands.resume(command, LEASE, receipt=receipt, correlation_id=message_id)
             timings["resume"].append(time.perf_counter() - started)
     return timings
+
+
+def rounded(used: dict[str, float]) -> dict[str, float]:
+    """CPU milliseconds per group while the claims were timed (``python`` is the sweeper, ``driver`` this
+    process); ``other`` is busy time none of them accounts for: somebody else on the machine."""
+    return {k: round(v, 1) for k, v in used.items()}
 
 
 def figures(timings: dict[str, list[float]]) -> dict[str, Any]:
@@ -327,7 +337,9 @@ async def run(opts: Options) -> dict[str, Any]:
                 loaded = size
                 # A few claims first, so that connections and plans are warm.
                 await time_claims(stores, con, continuation, sample(20, loaded))
+                before = CpuProbe([]).read()
                 measured = figures(await time_claims(stores, con, continuation, sample(2 * opts.samples, loaded)))
+                measured["cpu_ms"] = rounded(CpuProbe.used_ms(before, CpuProbe([]).read()))
                 results["sizes"][str(size)].update(measured)
                 print(
                     f"  claim p50 {measured['claim']['p50']:.2f} ms, p99 {measured['claim']['p99']:.2f} ms; "
@@ -338,12 +350,16 @@ async def run(opts: Options) -> dict[str, Any]:
             largest = opts.sizes[-1]
             print(f"{opts.expired} expired pauses beside {largest} live ones: loading ...", flush=True)
             await load(con, docs, 10**8 - opts.expired, 10**8 - 1, expired=True)
+            before = CpuProbe([]).read()
             baseline = figures(await time_claims(stores, con, continuation, sample(2 * opts.samples, largest)))
+            baseline["cpu_ms"] = rounded(CpuProbe.used_ms(before, CpuProbe([]).read()))
             (vhost,) = await admin.add_vhosts(["sweep"])
             url = vhost_url(opts.amqp_url, vhost)
             await declare_topology(url)
             print("  claims while the sweeper works through them ...", flush=True)
             proc, swept, log = await sweeping(dsn, url)
+            probe = CpuProbe([proc.pid])
+            before = probe.read()
             window = asyncio.create_task(asyncio.wait({swept}, timeout=opts.sweep_seconds))
             try:
                 started = time.perf_counter()
@@ -352,6 +368,7 @@ async def run(opts: Options) -> dict[str, Any]:
                     stores, con, continuation, sample(min(20 * opts.samples, largest // 4), largest), until=window
                 )
                 sweep_s = time.perf_counter() - started
+                used = CpuProbe.used_ms(before, probe.read())
                 completed = swept.done()
                 published = await queue_depth(url, COMMAND_QUEUES[Command.EXPIRE])
             finally:
@@ -363,7 +380,7 @@ async def run(opts: Options) -> dict[str, Any]:
                 "size": largest,
                 "expired": opts.expired,
                 "baseline": baseline,
-                "during_sweep": figures(during),
+                "during_sweep": {**figures(during), "cpu_ms": rounded(used)},
                 "sweep_completed": completed,
                 "sweep_published": published,
                 "sweep_per_second": round(published / sweep_s, 1),

@@ -12,7 +12,7 @@ by the database clock), so two sweepers that find the same pause publish byte-id
 consumer's inbox keeps one. A pause this process already published is remembered (bounded, oldest
 forgotten first) and not published again on every sweep; it is published again only after
 ``republish_after_seconds``, in case its command was lost to a dead-letter or a purge while the run stayed
-paused. With ``max_rate`` it publishes at most that many commands per second (page by page), so that a
+paused. With ``max_rate`` it publishes at most that many commands per second (in small bursts), so that a
 large backlog is worked through without taking the CPU the workers' claims need (bench/scaling.py measures
 the difference).
 
@@ -57,6 +57,9 @@ from store.db import Database
 from store.relay import ExpiredPause, ExpirySweepStore
 
 log = logging.getLogger("intermission.sweeper")
+
+# How many bursts a rate-limited sweeper splits each second's commands into.
+BURSTS_PER_SECOND = 50
 
 
 def expire_message_id(pause: ExpiredPause) -> str:
@@ -154,15 +157,12 @@ class ExpirySweeper:
         published = 0
         pages = 0
         while stop is None or not stop.is_set():
-            began = time.monotonic()
             page = await self._store.list_expired_paused_across_scopes(cutoff, after, self._batch)
             pages += 1
-            sent = await self._publish(page)
-            published += sent
+            published += await self._publish(page, stop)
             if len(page) < self._batch:
                 break
             after = page[-1].cursor
-            await self._pace(sent, began, stop)
         self.sweeps += 1
         log.info(
             "sweep done",
@@ -171,7 +171,7 @@ class ExpirySweeper:
         return published
 
     async def _pace(self, sent: int, began: float, stop: asyncio.Event | None) -> None:
-        """Keep to ``max_rate``: a page of ``sent`` commands takes at least ``sent / max_rate`` seconds."""
+        """Keep to ``max_rate``: a burst of ``sent`` commands takes at least ``sent / max_rate`` seconds."""
         if self._max_rate is None or not sent:
             return
         rest = sent / self._max_rate - (time.monotonic() - began)
@@ -181,23 +181,37 @@ class ExpirySweeper:
             else:
                 await wait_or_stop(stop, rest)
 
-    async def _publish(self, page: list[ExpiredPause]) -> int:
+    async def _publish(self, page: list[ExpiredPause], stop: asyncio.Event | None = None) -> int:
         now = time.monotonic()
         due = [p for p in page if not self._recent.holds((p.run_id, p.suspension_id), now)]
         if not due:
             return 0
         async with asyncio.timeout(self._publish_timeout):
             await self._publisher.ready()
-        outcomes = await self._publisher.publish_all([Outgoing(expire_message(p), Command.EXPIRE.value) for p in due])
+        # With max_rate, in small bursts (about BURSTS_PER_SECOND a second) rather than a page at once: the
+        # CPU a sweep takes then arrives evenly, not in spikes that claims running beside it feel in their
+        # tail latency.
+        size = len(due) if self._max_rate is None else max(1, int(self._max_rate / BURSTS_PER_SECOND))
         confirmed = 0
-        for pause, outcome in zip(due, outcomes, strict=True):
-            if outcome is None:
-                self._recent.add((pause.run_id, pause.suspension_id), now)
-                confirmed += 1
-        self.published += confirmed
-        failed = [outcome for outcome in outcomes if outcome is not None]
-        if failed:
-            raise PublishFailed(f"{len(failed)} of {len(due)} run.expire commands were not confirmed") from failed[0]
+        for start in range(0, len(due), size):
+            burst = due[start : start + size]
+            began = time.monotonic()
+            outcomes = await self._publisher.publish_all(
+                [Outgoing(expire_message(p), Command.EXPIRE.value) for p in burst]
+            )
+            sent = 0
+            for pause, outcome in zip(burst, outcomes, strict=True):
+                if outcome is None:
+                    self._recent.add((pause.run_id, pause.suspension_id), now)
+                    sent += 1
+            confirmed += sent
+            self.published += sent
+            failed = [outcome for outcome in outcomes if outcome is not None]
+            if failed:
+                raise PublishFailed(
+                    f"{len(failed)} of {len(burst)} run.expire commands were not confirmed"
+                ) from failed[0]
+            await self._pace(sent, began, stop)
         return confirmed
 
     async def serve(self, stop: asyncio.Event) -> None:
