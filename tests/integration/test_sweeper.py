@@ -225,13 +225,14 @@ async def test_a_rate_limited_sweeper_spaces_its_pages_and_still_publishes_every
         waits.append(seconds)  # recorded, not slept: the test asserts what was asked, never a time
 
     monkeypatch.setattr("publishers.sweeper.wait_or_stop", recorded)
-    # 3 commands a second, published one at a time (bursts of rate / BURSTS_PER_SECOND, at least one): each
-    # must take a third of a second, far longer than it does.
+    # 3 commands a second, a second's worth in one burst: each full page of 3 must take a second, far longer
+    # than it does.
     sweeper = await new_sweeper(stores.db, amqp_url, amqp_connect, sweepers, batch=3, max_rate=3.0)
 
     assert await sweeper.sweep_once(asyncio.Event()) == 7
-    assert len(waits) == 7
-    assert all(0 < w <= 1 / 3 for w in waits)
+    # Bursts of 3, 3 and 1: a wait after each full second's worth, none after the last.
+    assert len(waits) == 2
+    assert all(0 < w <= 1.0 for w in waits)
     await seen.wait_ids({expected(p, scope)[0] for p in pauses})
     with pytest.raises(ValueError, match="max_rate"):
         ExpirySweeper(stores.db, await amqp_connect(amqp_url, "bad"), max_rate=0)
