@@ -49,6 +49,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -194,9 +195,12 @@ async def time_claims(
     numbers: list[int],
     *,
     until: asyncio.Task[Any] | None = None,
+    began_at: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Alternate a leased claim and a resume command over ``numbers``; the seconds each took. With
-    ``until``, stop as soon as that task is done."""
+    ``until``, stop as soon as that task is done; with ``began_at``, also record when (wall clock) each
+    began, in the same order."""
+    starts: dict[str, list[float]] = began_at if began_at is not None else {"claim": [], "resume": []}
     ids = await suspension_ids(con, numbers)
     timings: dict[str, list[float]] = {"claim": [], "resume": []}
     for i, n in enumerate(numbers):
@@ -210,6 +214,7 @@ async def time_claims(
                 lease=LEASE,
                 first=Progress(run_id=run_id(n), owner=LEASE.owner, continuation=continuation),
             )
+            starts["claim"].append(time.time())
             started = time.perf_counter()
             await stores.suspensions.claim_suspension_leased(scope, claim)
             timings["claim"].append(time.perf_counter() - started)
@@ -219,6 +224,7 @@ async def time_claims(
             )
             message_id = str(uuid.uuid4())
             receipt = Receipt.of(message_id, "run.resume", command)
+            starts["resume"].append(time.time())
             started = time.perf_counter()
             await stores.commands.resume(command, LEASE, receipt=receipt, correlation_id=message_id)
             timings["resume"].append(time.perf_counter() - started)
@@ -259,9 +265,8 @@ def log_record(log: Path, action: str) -> dict[str, Any] | None:
     return None
 
 
-async def sweeping(dsn: str, url: str) -> tuple[asyncio.subprocess.Process, asyncio.Task[dict[str, Any]], Any]:
-    """A sweeper process that has started sweeping, and a task that ends when its first sweep is done (with
-    that sweep's log record)."""
+async def sweeping(dsn: str, url: str) -> tuple[asyncio.subprocess.Process, Any]:
+    """A sweeper process that has started sweeping, and its log."""
     env = {
         **os.environ,
         "INTERMISSION_DATABASE_URL": dsn,
@@ -274,20 +279,27 @@ async def sweeping(dsn: str, url: str) -> tuple[asyncio.subprocess.Process, asyn
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fleet.cli", "sweeper", cwd=ROOT, env=env, stdout=log, stderr=log
     )
-
-    async def logged(action: str) -> dict[str, Any]:
-        while True:
+    # Its first sweep begins right after it says it started (the import and connections come before). The
+    # log is read here, before anything is timed, and once more after: never while claims are timed, when
+    # reading it would cost the loop that times them.
+    async with asyncio.timeout(60):
+        while log_record(Path(log.name), "sweeper_started") is None:
             if proc.returncode is not None:
                 raise RuntimeError(f"the sweeper exited {proc.returncode}")
-            record = log_record(Path(log.name), action)
-            if record is not None:
-                return record
             await asyncio.sleep(0.05)
+    return proc, log
 
-    # Its first sweep begins right after it says it started (the import and connections come before).
-    async with asyncio.timeout(60):
-        await logged("sweeper_started")
-    return proc, asyncio.create_task(logged("sweep")), log
+
+def logged_at(record: dict[str, Any]) -> float:
+    """A log record's time (``asctime``, local time) as a Unix timestamp."""
+    return datetime.strptime(record["asctime"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def begun_before(
+    timings: dict[str, list[float]], began_at: dict[str, list[float]], cutoff: float
+) -> dict[str, list[float]]:
+    """Only the timings of what began before ``cutoff``."""
+    return {k: [t for t, b in zip(v, began_at[k], strict=True) if b < cutoff] for k, v in timings.items()}
 
 
 async def run(opts: Options) -> dict[str, Any]:
@@ -350,32 +362,47 @@ async def run(opts: Options) -> dict[str, Any]:
             largest = opts.sizes[-1]
             print(f"{opts.expired} expired pauses beside {largest} live ones: loading ...", flush=True)
             await load(con, docs, 10**8 - opts.expired, 10**8 - 1, expired=True)
+            # The baseline is timed exactly as the claims beside the sweeper are (as many runs to draw from,
+            # for as long a window): a p99 over 1,000 claims in 2 s and one over 10,000 claims in 30 s are
+            # not comparable, the longer window meets more of the machine's own rare stalls.
+            claims_per_window = min(20 * opts.samples, largest // 4)
             before = CpuProbe([]).read()
-            baseline = figures(await time_claims(stores, con, continuation, sample(2 * opts.samples, largest)))
+            quiet = asyncio.create_task(asyncio.sleep(opts.sweep_seconds))
+            try:
+                baseline = figures(
+                    await time_claims(stores, con, continuation, sample(claims_per_window, largest), until=quiet)
+                )
+            finally:
+                quiet.cancel()
             baseline["cpu_ms"] = rounded(CpuProbe.used_ms(before, CpuProbe([]).read()))
             (vhost,) = await admin.add_vhosts(["sweep"])
             url = vhost_url(opts.amqp_url, vhost)
             await declare_topology(url)
             print("  claims while the sweeper works through them ...", flush=True)
-            proc, swept, log = await sweeping(dsn, url)
+            proc, log = await sweeping(dsn, url)
             probe = CpuProbe([proc.pid])
-            before = probe.read()
-            window = asyncio.create_task(asyncio.wait({swept}, timeout=opts.sweep_seconds))
+            before_cpu = probe.read()
+            window = asyncio.create_task(asyncio.sleep(opts.sweep_seconds))
+            began_at: dict[str, list[float]] = {"claim": [], "resume": []}
             try:
                 started = time.perf_counter()
-                # Claims go on until the sweep is done or the window closes, whichever comes first.
+                # Claims go on until the window closes (or the sample runs out).
                 during = await time_claims(
-                    stores, con, continuation, sample(min(20 * opts.samples, largest // 4), largest), until=window
+                    stores, con, continuation, sample(claims_per_window, largest), until=window, began_at=began_at
                 )
                 sweep_s = time.perf_counter() - started
-                used = CpuProbe.used_ms(before, probe.read())
-                completed = swept.done()
+                used = CpuProbe.used_ms(before_cpu, probe.read())
                 published = await queue_depth(url, COMMAND_QUEUES[Command.EXPIRE])
+                # Read before the sweeper is stopped: a stopped sweep logs its end too.
+                swept = log_record(Path(log.name), "sweep")
             finally:
                 window.cancel()
-                swept.cancel()
                 await stop_process(proc)
                 log.close()
+            completed = swept is not None
+            if swept is not None:
+                # The sweep ended inside the window: what came after it was not beside a sweep.
+                during = begun_before(during, began_at, logged_at(swept))
             results["sweeper"] = {
                 "size": largest,
                 "expired": opts.expired,
