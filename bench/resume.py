@@ -48,7 +48,10 @@ Options:
   --bare-shape SHAPE    the bare pipeline's transaction: "cte" (one statement, default) or "transaction"
   --out FILE            where to write the JSON
   --profile DIR         sample each worker with py-spy during the measured phases (stacks in DIR; summarise
-                        them with ``python -m bench.profile``)
+                        them with ``python -m bench.profile``). With INTERMISSION_BENCH_NATIVE=1 py-spy
+                        also samples C frames (uvloop, asyncpg, the kernel's socket calls); with
+                        INTERMISSION_BENCH_PERF=1 ``perf record -a -g`` samples the whole machine into
+                        DIR/<phase>.perf as well
   --worker-cwd DIR      run the workers from another copy of the product's packages (schemas, store, fleet,
                         consumers, publishers) to compare two versions under the same conditions
 """
@@ -303,6 +306,7 @@ async def profiling(folder: Path | None, label: str, pids: list[int]) -> AsyncIt
             "250",
             "--format",
             "raw",
+            *(["--native"] if os.environ.get("INTERMISSION_BENCH_NATIVE") else []),
             "--output",
             str(folder / f"{label}-{pid}.txt"),
             stdout=asyncio.subprocess.DEVNULL,
@@ -310,6 +314,22 @@ async def profiling(folder: Path | None, label: str, pids: list[int]) -> AsyncIt
         )
         for pid in pids
     ]
+    if os.environ.get("INTERMISSION_BENCH_PERF"):
+        # The whole machine (every process, kernel included), for `perf report --sort comm,dso`.
+        spies.append(
+            await asyncio.create_subprocess_exec(
+                "perf",
+                "record",
+                "-a",
+                "-g",
+                "-F",
+                "499",
+                "-o",
+                str(folder / f"{label}.perf"),
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+        )
     await asyncio.sleep(1.0)  # py-spy attaches
     try:
         yield
