@@ -68,7 +68,8 @@ async def running_worker(
     """A worker with everything started; stopped gracefully on leaving."""
     own_stores = stores is None
     if stores is None:
-        stores = await Stores.connect(settings.database_url, max_size=settings.pool_max_size)
+        # relayed: this process's commits wake its own relay in-process and notify nobody (store/db.py).
+        stores = await Stores.connect(settings.database_url, max_size=settings.pool_max_size, relayed=True)
     metrics = WorkerMetrics()
     fleet = Fleet(stores, settings, executor or load_executor(settings.executor), metrics=metrics)
     connection = await connect(settings.amqp_url, f"intermission-worker {fleet.owner}")
@@ -84,6 +85,9 @@ async def running_worker(
             poll_seconds=settings.relay_poll_seconds,
             publish_timeout=settings.publish_timeout_seconds,
         )
+        # Every commit of this process that adds outbox rows wakes the relay at once; LISTEN (above) still
+        # brings the rows other processes write (hosts using the store, the CLI).
+        stop_waking = stores.db.on_outbox_commit(relay.wake)
 
         def hand_over(claimed: Claimed) -> None:
             fleet.submit(claimed)
@@ -119,6 +123,7 @@ async def running_worker(
             relay_stop.set()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(relaying, settings.shutdown_grace_seconds)
+            stop_waking()
             await relay.close()
             with contextlib.suppress(Exception):
                 await channel.close()

@@ -41,8 +41,8 @@ class Stores:
         )
 
     @classmethod
-    async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10) -> Stores:
-        return cls.over(await Database.connect(dsn, min_size=min_size, max_size=max_size))
+    async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10, relayed: bool = False) -> Stores:
+        return cls.over(await Database.connect(dsn, min_size=min_size, max_size=max_size, relayed=relayed))
 
     async def close(self) -> None:
         await self.db.close()

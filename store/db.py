@@ -8,7 +8,7 @@ statements in ``store/queries/``. Driver errors are translated here into Intermi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -16,7 +16,7 @@ import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
 from schemas.errors import IntermissionError, InvalidArgument, StoreUnavailable
-from store.queries import QUERIES
+from store.queries import OUTBOX_WRITERS, QUERIES
 
 # SQLSTATEs a retry may cure: serialisation failures and deadlocks, and the server going away.
 _TRANSIENT_SQLSTATES = frozenset(
@@ -84,24 +84,30 @@ def translated() -> Iterator[None]:
 
 
 class Conn:
-    """A connection that runs named statements."""
+    """A connection that runs named statements, and remembers whether one of them added outbox rows."""
 
-    __slots__ = ("raw",)
+    __slots__ = ("raw", "wrote_outbox")
 
     def __init__(self, raw: asyncpg.Connection[Any] | PoolConnectionProxy[Any]) -> None:
         self.raw = raw
+        self.wrote_outbox = False
+
+    def _text(self, query: str) -> str:
+        if query in OUTBOX_WRITERS:
+            self.wrote_outbox = True
+        return QUERIES[query]
 
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
-        return await self.raw.fetch(QUERIES[query], *args)
+        return await self.raw.fetch(self._text(query), *args)
 
     async def fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
-        return await self.raw.fetchrow(QUERIES[query], *args)
+        return await self.raw.fetchrow(self._text(query), *args)
 
     async def fetchval(self, query: str, *args: Any) -> Any:
-        return await self.raw.fetchval(QUERIES[query], *args)
+        return await self.raw.fetchval(self._text(query), *args)
 
     async def execute(self, query: str, *args: Any) -> str:
-        return await self.raw.execute(QUERIES[query], *args)
+        return await self.raw.execute(self._text(query), *args)
 
 
 async def _keep_session(_raw: asyncpg.Connection[Any]) -> None:
@@ -116,10 +122,28 @@ async def _keep_session(_raw: asyncpg.Connection[Any]) -> None:
 
 
 class Database:
-    """One asyncpg pool per process, and the transactions store code runs in."""
+    """One asyncpg pool per process, and the transactions store code runs in.
+
+    ``relayed``: this process runs an outbox relay and registers its wake-up with ``on_outbox_commit``.
+    Its sessions then set ``intermission.relayed = on``, which tells the ``outbox_notify`` trigger not to
+    NOTIFY (migration 0004): the relay learns of this process's rows in-process instead, and no other
+    worker's relay is woken for them.
+    """
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
+        self._outbox_listeners: list[Callable[[], None]] = []
+
+    def on_outbox_commit(self, wake: Callable[[], None]) -> Callable[[], None]:
+        """Call ``wake`` whenever a transaction of this pool that added outbox rows has ended (a rolled-back
+        one too: a wake-up that finds nothing costs one empty look). Returns the function that removes it."""
+        self._outbox_listeners.append(wake)
+        return lambda: self._outbox_listeners.remove(wake)
+
+    def _ended(self, conn: Conn) -> None:
+        if conn.wrote_outbox:
+            for wake in self._outbox_listeners:
+                wake()
 
     @classmethod
     async def connect(
@@ -130,14 +154,18 @@ class Database:
         max_size: int = 10,
         command_timeout: float = 30.0,
         application_name: str = "intermission",
+        relayed: bool = False,
     ) -> Database:
+        settings = {"application_name": application_name}
+        if relayed:
+            settings["intermission.relayed"] = "on"
         with translated():
             pool = await asyncpg.create_pool(
                 dsn,
                 min_size=min_size,
                 max_size=max_size,
                 command_timeout=command_timeout,
-                server_settings={"application_name": application_name},
+                server_settings=settings,
                 reset=_keep_session,
             )
         return cls(pool)
@@ -153,12 +181,21 @@ class Database:
     async def transaction(self) -> AsyncIterator[Conn]:
         """A connection inside one transaction; it commits when the block ends without an error."""
         with translated():
-            async with self.pool.acquire() as raw, raw.transaction():
-                yield Conn(raw)
+            async with self.pool.acquire() as raw:
+                conn = Conn(raw)
+                try:
+                    async with raw.transaction():
+                        yield conn
+                finally:
+                    self._ended(conn)
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[Conn]:
         """A connection in autocommit mode: each statement is its own transaction."""
         with translated():
             async with self.pool.acquire() as raw:
-                yield Conn(raw)
+                conn = Conn(raw)
+                try:
+                    yield conn
+                finally:
+                    self._ended(conn)

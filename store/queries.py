@@ -48,3 +48,7 @@ def load() -> dict[str, LiteralString]:
 
 
 QUERIES: dict[str, LiteralString] = load()
+
+# The statements that add outbox rows: a process that runs a relay wakes it when one of them commits.
+_OUTBOX_INSERT = re.compile(r"\bINSERT\s+INTO\s+outbox\b", re.IGNORECASE)
+OUTBOX_WRITERS: frozenset[str] = frozenset(name for name, sql in QUERIES.items() if _OUTBOX_INSERT.search(sql))

@@ -11,7 +11,7 @@ import asyncpg
 import pytest
 
 from store.db import Conn
-from store.queries import QUERIES, parse
+from store.queries import OUTBOX_WRITERS, QUERIES, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 SQL_FILES = sorted((ROOT / "store" / "queries").glob("*.sql"))
@@ -82,3 +82,12 @@ async def test_the_executor_runs_only_names_it_knows(database_url: str) -> None:
         assert await con.fetchrow("get_run", "no-such-run", "acme", "t1") is None
     finally:
         await raw.close()
+
+
+def test_the_outbox_writers_are_exactly_the_statements_that_insert_into_the_outbox() -> None:
+    # A relayed process wakes its relay only after these (store/db.py): one missing here would leave its
+    # rows to the poll.
+    inserting = {name for name, sql in QUERIES.items() if "into outbox" in " ".join(sql.lower().split())}
+    assert inserting == OUTBOX_WRITERS
+    assert {"claim_resume", "end_run_at_once", "insert_outbox"} <= OUTBOX_WRITERS
+    assert "mark_outbox_sent" not in OUTBOX_WRITERS
