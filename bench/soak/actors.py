@@ -648,7 +648,8 @@ class Simulator:
 
     async def _stale_answer(self, plan: RunPlan, notice: Notice) -> None:
         """Re-send the run's previous answer (pinned to its older pause) under a new id, before this pause's
-        answer: out of order, it must be refused as a conflict and change nothing."""
+        answer: out of order, it must change nothing; a host's is refused as a conflict, the bus's reply is
+        acknowledged as the duplicate of the admitted one."""
         old_sid = max(plan.answers)
         _old_mid, key, body_json, sender = plan.answers[old_sid]
         command = Command(key)
@@ -661,6 +662,8 @@ class Simulator:
         else:
             body = ResumeCommand.model_validate_json(body_json)
         client = self._client_of(sender)
+        # A host's answer is refused as a conflict; the bus's identical reply is the admitted reply again.
+        duplicate = command is Command.REPLY
         record = self._record(
             mid=mid,
             key=command,
@@ -668,13 +671,14 @@ class Simulator:
             scope=plan.scope,
             sender=sender,
             purpose="reordered_commands",
-            expect=Expect.REJECT,
-            codes=frozenset({"run_conflict"}),
+            expect=Expect.DUPLICATE if duplicate else Expect.REJECT,
+            codes=frozenset() if duplicate else frozenset({"run_conflict"}),
             suspension_id=old_sid,
         )
         self.ledger.fault("reordered_commands", f"stale {key} for suspension {old_sid} of {plan.run_id}")
         await self.sender.send(client, command, body, record)
-        await self._await_refusal(record)
+        if not duplicate:
+            await self._await_refusal(record)
 
     async def _competing_answers(self, plan: RunPlan, notice: Notice, legit: Answer) -> None:
         """Two different answers to one pause, the later one sent first: exactly one has an effect."""

@@ -531,6 +531,14 @@ class Checker:
                     f"a dead-lettered copy with x-intermission-error in {sorted(command.codes)}",
                     f"copies with {dead}",
                 )
+        elif command.expect is Expect.DUPLICATE:
+            if effects or refused:
+                self.fail(
+                    inv,
+                    subject,
+                    "no effect and no refusal (a duplicate)",
+                    f"{effects} effect(s)" + (f", refused {codes}" if refused else ""),
+                )
         else:
             if effects and refused:
                 self.fail(inv, subject, "an effect or a refusal, not both", f"{effects} effect(s) and refusals {codes}")

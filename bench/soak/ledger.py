@@ -32,6 +32,10 @@ class Expect(StrEnum):
     # Exactly one of the two: one effect, or a refusal with a code in ``codes``. For commands that race
     # with something else on purpose (a deadline, a cancel, a competing answer).
     EITHER = "either"
+    # Neither an effect nor a refusal: acknowledged as a duplicate. A bus reply identical to one already
+    # admitted for its pause is that reply again (its admission is its idempotency record), whatever its
+    # message_id and whenever it comes.
+    DUPLICATE = "duplicate"
 
 
 class Fate(StrEnum):

@@ -215,3 +215,38 @@ def test_a_refusal_repeated_on_a_redelivery_after_the_run_moved_on_is_no_violati
     result = check(ledger, outbox, db)
     assert result.violations == []
     assert result.stats["refusals_repeated_on_redelivery"] == 1
+
+
+STALE_REPLY = "stale:0000000000000001"
+
+
+def _with_stale_bus_reply(ledger: Ledger) -> None:
+    ledger.sent(
+        SentCommand(
+            STALE_REPLY,
+            "run.reply",
+            RUN,
+            SCOPE,
+            "bus",
+            "reordered_commands",
+            Expect.DUPLICATE,
+            codes=frozenset(),
+            confirmed=True,
+            suspension_id=1,
+        )
+    )
+
+
+def test_a_stale_bus_reply_acknowledged_as_a_duplicate_is_no_violation() -> None:
+    # The bus's reply identical to the admitted one is that reply again: no effect and no refusal.
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_stale_bus_reply(ledger)
+    assert check(ledger, outbox, db).violations == []
+
+
+def test_a_stale_bus_reply_that_was_refused_is_reported() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_stale_bus_reply(ledger)
+    db["rejections"].append(refusal(STALE_REPLY, "run_conflict"))
+    found = [str(v) for v in check(ledger, outbox, db).violations if v.invariant == "one_effect_per_command"]
+    assert any("expected no effect and no refusal (a duplicate)" in v for v in found), found
