@@ -219,16 +219,21 @@ async def amqp_vhost(rabbit: Broker) -> AsyncIterator[Vhost]:
     rabbit.discard_vhost(name)
 
 
-@pytest.fixture
-async def amqp_url(amqp_vhost: Vhost, request: pytest.FixtureRequest) -> str:
-    """guest's URL of a fresh vhost where the whole topology (fleet.topology.declare) is declared."""
-    url = amqp_vhost.url()
-    connection = await aio_pika.connect(url, client_properties={"connection_name": f"topology {request.node.nodeid}"})
+async def declare_topology(url: str, label: str = "topology") -> None:
+    """The whole topology (fleet.topology.declare) in the vhost of ``url``."""
+    connection = await aio_pika.connect(url, client_properties={"connection_name": label})
     try:
         channel = await connection.channel()
         await declare(channel, delivery_limit=DELIVERY_LIMIT)
     finally:
         await connection.close()
+
+
+@pytest.fixture
+async def amqp_url(amqp_vhost: Vhost, request: pytest.FixtureRequest) -> str:
+    """guest's URL of a fresh vhost where the whole topology (fleet.topology.declare) is declared."""
+    url = amqp_vhost.url()
+    await declare_topology(url, f"topology {request.node.nodeid}")
     return url
 
 

@@ -6,24 +6,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import aio_pika
 import pytest
 
 from bench.rabbitctl import delete_expression, rabbitmqctl
-from fleet.topology import declare
-from tests.amqp import DELIVERY_LIMIT, Broker, Vhost
+from tests.amqp import Broker, Vhost, declare_topology
 
 pytestmark = pytest.mark.integration
 
 SUPERVISOR_ALIVE = "is_pid(whereis(rabbit_fifo_dlx_sup))."
-
-
-async def declare_topology(url: str) -> None:
-    connection = await aio_pika.connect(url)
-    try:
-        await declare(await connection.channel(), delivery_limit=DELIVERY_LIMIT)
-    finally:
-        await connection.close()
 
 
 @pytest.fixture
