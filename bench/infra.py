@@ -30,8 +30,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import asyncpg
 
-from bench.rabbitctl import delete_vhosts, rabbitmqctl, write_definitions
-from store.migrate import ensure_database, migrate
+from intermission.store.migrate import ensure_database, migrate
+from tests.support.rabbitctl import delete_vhosts, rabbitmqctl, write_definitions
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")

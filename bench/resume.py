@@ -10,7 +10,7 @@ here, removed at the end, so nothing else on the servers is touched):
 1. the LIMIT (``bench/bare.py``): one Python process that consumes a message from its own quorum queue,
    runs one claim-shaped transaction on its own small table (an ``UPDATE … RETURNING`` plus a 4 KB
    snapshot write), publishes one event with a publisher confirm and acknowledges; messages/s.
-2. INTERMISSION, with 1 and with 2 worker processes (``python -m fleet.cli worker``): N runs of the demo
+2. INTERMISSION, with 1 and with 2 worker processes (``python -m intermission.ops.cli worker``): N runs of the demo
    agent are started THROUGH THE PRODUCT (``run.start`` commands sent by a ``HostClient``) and each pauses
    on ``lookup``; once every Notice has arrived, N ``run.resume`` commands are published. Resumes/s is N
    over the time from the first publish to the last ``run.completed`` event; latency is per run, from its
@@ -100,16 +100,16 @@ from bench.infra import (
     vhost_url,
     write_results,
 )
-from fleet.settings import Settings
-from fleet.topology import declare
-from publishers.amqp import ConfirmingPublisher, json_message
-from publishers.clients import ALL_KINDS, HostClient, Subscription, host_bindings, version_of
-from schemas.commands import ResumeCommand, StartCommand, ToolAnswer
-from schemas.events import CommandRejected, RunEvent
-from schemas.names import RunEventKind, run_event_key
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
-from schemas.suspension import ClaimVersion, Notice, SuspendReason
+from intermission.fleet.settings import Settings
+from intermission.fleet.topology import declare
+from intermission.publishers.amqp import ConfirmingPublisher, json_message
+from intermission.publishers.clients import ALL_KINDS, HostClient, Subscription, host_bindings, version_of
+from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.events import CommandRejected, RunEvent
+from intermission.schemas.names import RunEventKind, run_event_key
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.schemas.suspension import ClaimVersion, Notice, SuspendReason
 
 SCOPE = Scope(app="bench", tenant="resume")
 WARMUP = 5
@@ -265,7 +265,7 @@ async def workers_running(count: int, dsn: str, url: str, opts: Options) -> Asyn
                 await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
-                    "fleet.cli",
+                    "intermission.ops.cli",
                     "worker",
                     cwd=opts.worker_cwd or ROOT,
                     env=env,

@@ -15,7 +15,7 @@ In a fresh database (and, for the sweeper, a fresh RabbitMQ virtual host), remov
      receipt (inbox record, checks, claim, removal of the pause, outbox event).
 2. At the largest size, ``--expired`` more paused runs whose deadlines have passed are loaded, the claims
    are timed again (the baseline), and then once more while an expiry sweeper
-   (``python -m fleet.cli sweeper``, a process of its own, configured by the environment as in production)
+   (``python -m intermission.ops.cli sweeper``, a process of its own, configured by the environment as in production)
    works through them, for ``--sweep-seconds`` at most: it pages through the expired pauses and publishes
    one ``run.expire`` command per pause with confirms (nobody consumes them here: the measure is what the
    sweep costs the claims, not the expiries).
@@ -73,17 +73,17 @@ from bench.infra import (
     write_results,
 )
 from bench.resume import declare_topology
-from schemas.commands import ResumeCommand, ToolAnswer
-from schemas.config import ExecutionProvenance, RunConfig
-from schemas.llm import Message, Role, ToolCall, Usage
-from schemas.names import COMMAND_QUEUES, Command
-from schemas.run import Lease
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
-from schemas.suspension import ClaimVersion, Continuation, LeasedClaim, PendingCall, Progress
-from store import Stores
-from store.inbox import Receipt
-from store.rows import PENDING, SCRIPT
+from intermission.schemas.commands import ResumeCommand, ToolAnswer
+from intermission.schemas.config import ExecutionProvenance, RunConfig
+from intermission.schemas.llm import Message, Role, ToolCall, Usage
+from intermission.schemas.names import COMMAND_QUEUES, Command
+from intermission.schemas.run import Lease
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.schemas.suspension import ClaimVersion, Continuation, LeasedClaim, PendingCall, Progress
+from intermission.store import Stores
+from intermission.store.inbox import Receipt
+from intermission.store.rows import PENDING, SCRIPT
 
 APP = "bench"
 TENANTS = 16
@@ -277,7 +277,7 @@ async def sweeping(dsn: str, url: str) -> tuple[asyncio.subprocess.Process, Any]
     }
     log = tempfile.NamedTemporaryFile(prefix="bench-sweeper-", suffix=".log")  # noqa: SIM115 - closed by caller
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fleet.cli", "sweeper", cwd=ROOT, env=env, stdout=log, stderr=log
+        sys.executable, "-m", "intermission.ops.cli", "sweeper", cwd=ROOT, env=env, stdout=log, stderr=log
     )
     # Its first sweep begins right after it says it started (the import and connections come before). The
     # log is read here, before anything is timed, and once more after: never while claims are timed, when

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
-from consumers.parsing import COMMAND_MODELS, Delivery, parse_body
-from schemas.commands import (
+from intermission.consumers.parsing import COMMAND_MODELS, Delivery, parse_body
+from intermission.schemas.commands import (
     CancelCommand,
     DecideCommand,
     ExpireCommand,
@@ -21,12 +21,12 @@ from schemas.commands import (
     ResumeCommand,
     StartCommand,
 )
-from schemas.errors import Forbidden, NotSuspended, RunConflict
-from schemas.names import Command
-from schemas.run import Lease
-from store import Stores
-from store.commands import Claimed, RunDefaults
-from store.inbox import Receipt
+from intermission.schemas.errors import Forbidden, NotSuspended, RunConflict
+from intermission.schemas.names import Command
+from intermission.schemas.run import Lease
+from intermission.store import Stores
+from intermission.store.commands import Claimed, RunDefaults
+from intermission.store.inbox import Receipt
 
 
 @dataclass(frozen=True)

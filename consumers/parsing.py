@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from schemas.commands import (
+from intermission.schemas.commands import (
     CancelCommand,
     DecideCommand,
     ExpireCommand,
@@ -22,8 +22,8 @@ from schemas.commands import (
     ResumeCommand,
     StartCommand,
 )
-from schemas.errors import InvalidMessage, InvalidScope, UnsupportedSchemaVersion
-from schemas.names import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
+from intermission.schemas.errors import InvalidMessage, InvalidScope, UnsupportedSchemaVersion
+from intermission.schemas.names import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
 
 C = TypeVar("C", bound=BaseModel)
 

@@ -26,13 +26,13 @@ from collections.abc import Callable
 from aio_pika.abc import AbstractIncomingMessage
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
-from consumers.handlers import CommandHandlers, StaleExpiry
-from consumers.parsing import Delivery, check_envelope
-from consumers.rejection import Rejecter
-from schemas.errors import PermanentError, TransientError
-from schemas.names import Command
-from store.commands import Claimed
-from store.inbox import AlreadyApplied
+from intermission.consumers.handlers import CommandHandlers, StaleExpiry
+from intermission.consumers.parsing import Delivery, check_envelope
+from intermission.consumers.rejection import Rejecter
+from intermission.schemas.errors import PermanentError, TransientError
+from intermission.schemas.names import Command
+from intermission.store.commands import Claimed
+from intermission.store.inbox import AlreadyApplied
 
 log = logging.getLogger("intermission.consumers")
 

@@ -11,11 +11,11 @@ import aio_pika
 from aio_pika.abc import AbstractExchange
 from pydantic import ValidationError
 
-from consumers.parsing import Delivery, scope_hint
-from schemas.errors import IntermissionError
-from schemas.events import CommandRejected
-from schemas.names import ERROR_HEADER, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, rejected_key
-from schemas.scope import Scope
+from intermission.consumers.parsing import Delivery, scope_hint
+from intermission.schemas.errors import IntermissionError
+from intermission.schemas.events import CommandRejected
+from intermission.schemas.names import ERROR_HEADER, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, rejected_key
+from intermission.schemas.scope import Scope
 
 DETAIL_HEADER = "x-intermission-detail"
 ORIGINAL_KEY_HEADER = "x-intermission-routing-key"

@@ -1,6 +1,6 @@
 """Consuming the six command queues with bounded prefetch, and stopping gracefully.
 
-The queues and exchanges come declared (``fleet/topology.py``) on a robust channel, so aio-pika restores
+The queues and exchanges come declared (``intermission/wire.py``) on a robust channel, so aio-pika restores
 the consumers after a reconnect. Prefetch bounds how many commands are in flight at once; since no
 delivery is held for the length of a run, a small prefetch is enough to keep the database busy.
 """
@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
-from consumers.policy import AckPolicy
-from schemas.names import Command
+from intermission.consumers.policy import AckPolicy
+from intermission.schemas.names import Command
 
 log = logging.getLogger("intermission.consumers")
 

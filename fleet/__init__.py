@@ -1,1 +1,1 @@
-"""The worker process: settings, run execution under a lease, reclaim sweep, CLI."""
+"""The worker runtime: the worker process, runs under leases, lease keeping and the reclaim sweep."""

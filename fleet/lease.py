@@ -14,10 +14,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from schemas.errors import RunLeaseLost, TransientError
-from schemas.run import Lease
-from schemas.scope import Scope
-from store.runs import RunStore
+from intermission.schemas.errors import RunLeaseLost, TransientError
+from intermission.schemas.run import Lease
+from intermission.schemas.scope import Scope
+from intermission.store.runs import RunStore
 
 log = logging.getLogger("intermission.lease")
 

@@ -16,22 +16,22 @@ import asyncio
 import contextlib
 import logging
 
-from fleet.executor import Executor, RunContext, RunHandle, StopAtBoundary
-from fleet.identity import incarnation
-from fleet.lease import LeaseKeeper
-from fleet.metrics import WorkerMetrics
-from fleet.settings import Settings
-from schemas.errors import (
+from intermission.agent.executor import Executor, RunContext, RunHandle, StopAtBoundary
+from intermission.fleet.identity import incarnation
+from intermission.fleet.lease import LeaseKeeper
+from intermission.fleet.settings import Settings
+from intermission.ops.metrics import WorkerMetrics
+from intermission.schemas.errors import (
     IntermissionError,
     ResumeAdmissionNotFound,
     RunLeaseLost,
     SuspensionExpired,
     TransientError,
 )
-from schemas.run import Lease, Run
-from schemas.suspension import Continuation, Ending, EndingKind, Progress
-from store import Stores
-from store.commands import Claimed
+from intermission.schemas.run import Lease, Run
+from intermission.schemas.suspension import Continuation, Ending, EndingKind, Progress
+from intermission.store import Stores
+from intermission.store.commands import Claimed
 
 log = logging.getLogger("intermission.fleet")
 

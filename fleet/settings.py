@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     # 0 turns the Prometheus endpoint off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
     # "module:attribute" of the executor factory; the default is the agent loop with the scripted model.
-    executor: str = "fleet.agent:default_executor"
+    executor: str = "intermission.agent.loop:default_executor"
     log_level: str = "INFO"
 
     @model_validator(mode="after")

@@ -20,7 +20,14 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
 
-from schemas.names import COMMAND_QUEUES, COMMANDS_EXCHANGE, DEAD_EXCHANGE, DEAD_QUEUE, EVENTS_EXCHANGE, Command
+from intermission.schemas.names import (
+    COMMAND_QUEUES,
+    COMMANDS_EXCHANGE,
+    DEAD_EXCHANGE,
+    DEAD_QUEUE,
+    EVENTS_EXCHANGE,
+    Command,
+)
 
 
 @dataclass(frozen=True)

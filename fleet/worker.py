@@ -19,23 +19,23 @@ from dataclasses import dataclass
 
 from aio_pika.abc import AbstractRobustConnection
 
-from consumers.handlers import CommandHandlers, WorkerHooks
-from consumers.policy import AckPolicy
-from consumers.rejection import Rejecter
-from consumers.service import CommandConsumers
-from fleet import faults
-from fleet.executor import Executor
-from fleet.metrics import WorkerMetrics
-from fleet.plugins import load_executor
-from fleet.runtime import Fleet
-from fleet.settings import Settings
-from fleet.signals import stop_on_signals
-from fleet.topology import Topology, declare
-from publishers.amqp import connect
-from publishers.relay import OutboxRelay
-from publishers.sweeper import ExpirySweeper
-from store import Stores
-from store.commands import Claimed, RunDefaults
+from intermission.agent.executor import Executor
+from intermission.agent.plugins import load_executor
+from intermission.consumers.handlers import CommandHandlers, WorkerHooks
+from intermission.consumers.policy import AckPolicy
+from intermission.consumers.rejection import Rejecter
+from intermission.consumers.service import CommandConsumers
+from intermission.fleet import points
+from intermission.fleet.runtime import Fleet
+from intermission.fleet.settings import Settings
+from intermission.fleet.signals import stop_on_signals
+from intermission.fleet.topology import Topology, declare
+from intermission.ops.metrics import WorkerMetrics
+from intermission.publishers.amqp import connect
+from intermission.publishers.relay import OutboxRelay
+from intermission.publishers.sweeper import ExpirySweeper
+from intermission.store import Stores
+from intermission.store.commands import Claimed, RunDefaults
 
 log = logging.getLogger("intermission.worker")
 
@@ -103,7 +103,7 @@ async def running_worker(
             ),
             Rejecter(topology.events, topology.dead),
             hand_over,
-            after_commit=lambda: faults.crash_point(faults.AFTER_COMMIT),
+            after_commit=lambda: points.reach(points.AFTER_COMMIT),
             observe=metrics.command,
         )
         consumers = CommandConsumers(policy, topology.queues)

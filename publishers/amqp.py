@@ -24,8 +24,8 @@ from aio_pika.abc import AbstractExchange, AbstractRobustChannel, AbstractRobust
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 from yarl import URL
 
-from schemas.errors import TransientError
-from schemas.names import SCHEMA_VERSION, SCHEMA_VERSION_HEADER
+from intermission.schemas.errors import TransientError
+from intermission.schemas.names import SCHEMA_VERSION, SCHEMA_VERSION_HEADER
 
 log = logging.getLogger("intermission.publishers")
 

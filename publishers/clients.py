@@ -55,10 +55,10 @@ from aio_pika.abc import (
 from pydantic import BaseModel, ValidationError
 from yarl import URL
 
-from publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher, connect, json_message
-from schemas.commands import CancelCommand, DecideCommand, ReplyCommand, ResumeCommand, StartCommand
-from schemas.events import CommandRejected, RunEvent
-from schemas.names import (
+from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher, connect, json_message
+from intermission.schemas.commands import CancelCommand, DecideCommand, ReplyCommand, ResumeCommand, StartCommand
+from intermission.schemas.events import CommandRejected, RunEvent
+from intermission.schemas.names import (
     COMMANDS_EXCHANGE,
     EVENTS_EXCHANGE,
     Command,
@@ -68,8 +68,8 @@ from schemas.names import (
     rejected_key,
     run_event_key,
 )
-from schemas.scope import Scope, require_scope
-from schemas.suspension import ClaimVersion, Notice, SuspendReason
+from intermission.schemas.scope import Scope, require_scope
+from intermission.schemas.suspension import ClaimVersion, Notice, SuspendReason
 
 log = logging.getLogger("intermission.clients")
 

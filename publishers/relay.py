@@ -36,10 +36,10 @@ import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from tenacity import RetryCallState
 
-from publishers.amqp import RETRYABLE, ConfirmingPublisher, Outgoing, PublishFailed, json_message, retrying
-from schemas.names import EVENTS_EXCHANGE
-from store.db import Database
-from store.relay import OutboxListener, OutboxRow, OutboxStore
+from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, Outgoing, PublishFailed, json_message, retrying
+from intermission.schemas.names import EVENTS_EXCHANGE
+from intermission.store.db import Database
+from intermission.store.relay import OutboxListener, OutboxRow, OutboxStore
 
 log = logging.getLogger("intermission.relay")
 

@@ -45,7 +45,7 @@ import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from tenacity import RetryCallState
 
-from publishers.amqp import (
+from intermission.publishers.amqp import (
     RETRYABLE,
     ConfirmingPublisher,
     Outgoing,
@@ -54,10 +54,10 @@ from publishers.amqp import (
     retrying,
     wait_or_stop,
 )
-from schemas.commands import ExpireCommand
-from schemas.names import COMMANDS_EXCHANGE, Command
-from store.db import Database
-from store.relay import ExpiredPause, ExpirySweepStore
+from intermission.schemas.commands import ExpireCommand
+from intermission.schemas.names import COMMANDS_EXCHANGE, Command
+from intermission.store.db import Database
+from intermission.store.relay import ExpiredPause, ExpirySweepStore
 
 log = logging.getLogger("intermission.sweeper")
 

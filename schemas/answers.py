@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from schemas.commands import Decision, ToolAnswer
-from schemas.errors import (
+from intermission.schemas.commands import Decision, ToolAnswer
+from intermission.schemas.errors import (
     Forbidden,
     InvalidState,
     NotAgentReplyResumable,
     RequiresApproval,
     ResultsMismatch,
 )
-from schemas.llm import ToolOutcome
-from schemas.suspension import Ending, PendingCall, Progress, ProgressResult, SuspendReason, Suspension
+from intermission.schemas.llm import ToolOutcome
+from intermission.schemas.suspension import Ending, PendingCall, Progress, ProgressResult, SuspendReason, Suspension
 
 
 class Source(StrEnum):

@@ -6,12 +6,12 @@ from enum import StrEnum
 
 from pydantic import AwareDatetime, Field
 
-from schemas.base import StrictModel
-from schemas.config import RunConfig
-from schemas.ids import AgentId, CheckpointId, RunId
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
-from schemas.suspension import ClaimVersion
+from intermission.schemas.base import StrictModel
+from intermission.schemas.config import RunConfig
+from intermission.schemas.ids import AgentId, CheckpointId, RunId
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.schemas.suspension import ClaimVersion
 
 
 class StartCommand(StrictModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from schemas.base import Model
+from intermission.schemas.base import Model
 
 
 class ContextPolicy(Model):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from schemas.base import Model
-from schemas.ids import RunId
-from schemas.names import RunEventKind
-from schemas.scope import Scope
-from schemas.suspension import Notice
+from intermission.schemas.base import Model
+from intermission.schemas.ids import RunId
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import Notice
 
 # A notice event's body is the Notice itself: it already carries run_id and run_revision.
 NoticeEvent = Notice

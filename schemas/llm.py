@@ -6,7 +6,7 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from schemas.base import Model
+from intermission.schemas.base import Model
 
 
 class Role(StrEnum):

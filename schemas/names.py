@@ -5,8 +5,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Final
 
-from schemas.scope import Scope
-from schemas.suspension import SuspendReason
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import SuspendReason
 
 SCHEMA_VERSION: Final = 1
 SCHEMA_VERSION_HEADER: Final = "x-schema-version"

@@ -21,12 +21,12 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from schemas.base import Model, StrictModel
-from schemas.digest import digest
-from schemas.errors import InputTooLarge, InvalidArgument, UnsupportedSchemaVersion
-from schemas.ids import RUN_ID_PATTERN
-from schemas.scope import Scope, require_scope
-from schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, Suspension
+from intermission.schemas.base import Model, StrictModel
+from intermission.schemas.digest import digest
+from intermission.schemas.errors import InputTooLarge, InvalidArgument, UnsupportedSchemaVersion
+from intermission.schemas.ids import RUN_ID_PATTERN
+from intermission.schemas.scope import Scope, require_scope
+from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, Suspension
 
 # The version every resume record is written with. A row written before versions existed has none and
 # reads as LEGACY_SCHEMA_VERSION: older evidence is still evidence, so it is never refused as invalid.

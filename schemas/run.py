@@ -7,11 +7,11 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from schemas.base import Model
-from schemas.config import RunConfig
-from schemas.ids import AgentId, RunId
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
+from intermission.schemas.base import Model
+from intermission.schemas.config import RunConfig
+from intermission.schemas.ids import AgentId, RunId
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
 
 
 class RunState(StrEnum):

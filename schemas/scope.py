@@ -12,8 +12,8 @@ from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints
 
-from schemas.base import Model
-from schemas.errors import InvalidScope
+from intermission.schemas.base import Model
+from intermission.schemas.errors import InvalidScope
 
 SCOPE_PART_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 _SCOPE_PART = re.compile(SCOPE_PART_PATTERN)

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from schemas.base import Model
+from intermission.schemas.base import Model
 
 
 class ScriptCall(Model):

@@ -7,12 +7,12 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from schemas.base import Model
-from schemas.config import ExecutionProvenance, RunConfig
-from schemas.ids import CheckpointId, RunId, SuspensionId
-from schemas.llm import Message, ToolOutcome, ToolResult, Usage
-from schemas.run import Lease, Run
-from schemas.scope import Scope
+from intermission.schemas.base import Model
+from intermission.schemas.config import ExecutionProvenance, RunConfig
+from intermission.schemas.ids import CheckpointId, RunId, SuspensionId
+from intermission.schemas.llm import Message, ToolOutcome, ToolResult, Usage
+from intermission.schemas.run import Lease, Run
+from intermission.schemas.scope import Scope
 
 # Bounds retained encoded resume input, JSON escaping included.
 MAX_RESUME_INPUT_BYTES = 8 << 20

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from store.commands import CommandStore
-from store.db import Database
-from store.operations import OperationsStore
-from store.progress import ProgressStore
-from store.resume import ResumeStore
-from store.runs import RunStore
-from store.sessions import SessionStore
-from store.suspensions import SuspensionStore
+from intermission.store.commands import CommandStore
+from intermission.store.db import Database
+from intermission.store.operations import OperationsStore
+from intermission.store.progress import ProgressStore
+from intermission.store.resume import ResumeStore
+from intermission.store.runs import RunStore
+from intermission.store.sessions import SessionStore
+from intermission.store.suspensions import SuspensionStore
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Protocol, runtime_checkable
 
-from schemas.errors import Forbidden, InvalidArgument, TransientError
-from schemas.resume import ResumeClosure, ResumeClosureRequest
-from schemas.scope import Scope, require_scope
+from intermission.schemas.errors import Forbidden, InvalidArgument, TransientError
+from intermission.schemas.resume import ResumeClosure, ResumeClosureRequest
+from intermission.schemas.scope import Scope, require_scope
 
 # The seed's bound on one closure, authorization and fencing included. Host ports must honour
 # cancellation: when it passes, whatever they are awaiting is cancelled.

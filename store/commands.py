@@ -15,7 +15,7 @@ from datetime import datetime
 
 import asyncpg
 
-from schemas.answers import (
+from intermission.schemas.answers import (
     Source,
     check_approver,
     check_authority,
@@ -24,7 +24,7 @@ from schemas.answers import (
     reply_progress,
     results_progress,
 )
-from schemas.commands import (
+from intermission.schemas.commands import (
     CancelCommand,
     DecideCommand,
     Decision,
@@ -33,7 +33,7 @@ from schemas.commands import (
     ResumeCommand,
     StartCommand,
 )
-from schemas.errors import (
+from intermission.schemas.errors import (
     IntermissionError,
     InvalidArgument,
     InvalidState,
@@ -41,18 +41,26 @@ from schemas.errors import (
     ResumeAdmissionNotFound,
     RunConflict,
 )
-from schemas.events import RunEvent
-from schemas.names import RunEventKind
-from schemas.resume import ResumeAdmissionRequest
-from schemas.run import Lease, NewRun, Run, RunState
-from schemas.scope import Scope, require_scope
-from schemas.suspension import ClaimVersion, Continuation, Ending, EndingKind, LeasedClaim, Progress, Suspension
-from store import outbox, rows
-from store.db import Conn, Database
-from store.inbox import AlreadyApplied, Receipt, record_in
-from store.resume import ResumeStore
-from store.runs import create_run_in
-from store.suspensions import SuspensionStore, check_leased_claim, claim_pinned_in
+from intermission.schemas.events import RunEvent
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.resume import ResumeAdmissionRequest
+from intermission.schemas.run import Lease, NewRun, Run, RunState
+from intermission.schemas.scope import Scope, require_scope
+from intermission.schemas.suspension import (
+    ClaimVersion,
+    Continuation,
+    Ending,
+    EndingKind,
+    LeasedClaim,
+    Progress,
+    Suspension,
+)
+from intermission.store import outbox, rows
+from intermission.store.db import Conn, Database
+from intermission.store.inbox import AlreadyApplied, Receipt, record_in
+from intermission.store.resume import ResumeStore
+from intermission.store.runs import create_run_in
+from intermission.store.suspensions import SuspensionStore, check_leased_claim, claim_pinned_in
 
 
 @dataclass(frozen=True)

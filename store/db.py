@@ -15,8 +15,8 @@ from typing import Any
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from schemas.errors import IntermissionError, InvalidArgument, StoreUnavailable
-from store.queries import OUTBOX_WRITERS, QUERIES
+from intermission.schemas.errors import IntermissionError, InvalidArgument, StoreUnavailable
+from intermission.store.queries import OUTBOX_WRITERS, QUERIES
 
 # SQLSTATEs a retry may cure: serialisation failures and deadlocks, and the server going away.
 _TRANSIENT_SQLSTATES = frozenset(

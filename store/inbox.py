@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.digest import digest
-from schemas.errors import MessageIdConflict
-from schemas.scope import Scope
-from store.db import Conn
+from intermission.schemas.digest import digest
+from intermission.schemas.errors import MessageIdConflict
+from intermission.schemas.scope import Scope
+from intermission.store.db import Conn
 
 
 class AlreadyApplied(Exception):

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from schemas.errors import IntermissionError
-from store.db import Conn, translated
+from intermission.schemas.errors import IntermissionError
+from intermission.store.db import Conn, translated
 
 # Any fixed 64-bit key; it names the migrator among advisory locks.
 MIGRATION_LOCK_KEY = 0x1A7E_5510_0000_0001
@@ -46,7 +46,7 @@ class Migration:
 
 def migrations() -> list[Migration]:
     found: list[Migration] = []
-    folder = resources.files("store").joinpath("migrations")
+    folder = resources.files("intermission.store").joinpath("migrations")
     for entry in folder.iterdir():
         match = _FILE.match(entry.name)
         if match is None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.errors import InvalidArgument
-from schemas.run import Run, RunState
-from store import rows
-from store.db import Database
+from intermission.schemas.errors import InvalidArgument
+from intermission.schemas.run import Run, RunState
+from intermission.store import rows
+from intermission.store.db import Database
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from schemas.events import RunEvent
-from schemas.names import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, notice_key, run_event_key
-from schemas.suspension import Notice
-from store.db import Conn
+from intermission.schemas.events import RunEvent
+from intermission.schemas.names import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, notice_key, run_event_key
+from intermission.schemas.suspension import Notice
+from intermission.store.db import Conn
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from schemas.errors import ProgressNotFound, RunLeaseLost
-from schemas.scope import Scope, require_scope
-from schemas.suspension import Progress
-from store import rows
-from store.db import Conn, Database
+from intermission.schemas.errors import ProgressNotFound, RunLeaseLost
+from intermission.schemas.scope import Scope, require_scope
+from intermission.schemas.suspension import Progress
+from intermission.store import rows
+from intermission.store.db import Conn, Database
 
 
 async def save_progress_in(con: Conn, scope: Scope, p: Progress) -> Progress:

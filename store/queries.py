@@ -34,7 +34,7 @@ def parse(text: str, source: str = "<sql>") -> dict[str, str]:
 
 def load() -> dict[str, LiteralString]:
     queries: dict[str, LiteralString] = {}
-    folder = resources.files("store").joinpath("queries")
+    folder = resources.files("intermission.store").joinpath("queries")
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if not entry.name.endswith(".sql"):
             continue

@@ -21,9 +21,9 @@ from typing import Any, Final
 
 import asyncpg
 
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion
-from store.db import Conn, Database, is_transient
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion
+from intermission.store.db import Conn, Database, is_transient
 
 log = logging.getLogger("intermission.store.relay")
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import asyncpg
 
-from schemas.digest import digest as canonical_digest
-from schemas.errors import (
+from intermission.schemas.digest import digest as canonical_digest
+from intermission.schemas.errors import (
     Forbidden,
     InvalidArgument,
     InvalidState,
@@ -43,10 +43,10 @@ from schemas.errors import (
     RunLeaseLost,
     SuspensionExpired,
 )
-from schemas.events import RunEvent
-from schemas.ids import RUN_ID_PATTERN
-from schemas.names import RunEventKind
-from schemas.resume import (
+from intermission.schemas.events import RunEvent
+from intermission.schemas.ids import RUN_ID_PATTERN
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.resume import (
     DIGEST_PATTERN,
     RESUME_SCHEMA_VERSION,
     ResumeAdmission,
@@ -57,12 +57,12 @@ from schemas.resume import (
     ResumeExpiry,
     ResumeStart,
 )
-from schemas.run import Lease, RunState
-from schemas.scope import Scope, require_scope
-from schemas.suspension import ClaimVersion, Progress, SuspendReason
-from store import outbox, rows
-from store.db import Conn, Database
-from store.progress import save_progress_in
+from intermission.schemas.run import Lease, RunState
+from intermission.schemas.scope import Scope, require_scope
+from intermission.schemas.suspension import ClaimVersion, Progress, SuspendReason
+from intermission.store import outbox, rows
+from intermission.store.db import Conn, Database
+from intermission.store.progress import save_progress_in
 
 # ListAgentReplyRuns returns run ids only, so a page of 256 is small.
 MAX_DISCOVERY_PAGE = 256

@@ -12,13 +12,13 @@ from typing import Any, TypeVar
 import asyncpg
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from schemas.config import RunConfig
-from schemas.errors import InvalidArgument, InvalidContinuation
-from schemas.llm import Message
-from schemas.run import Run, RunState
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
-from schemas.suspension import (
+from intermission.schemas.config import RunConfig
+from intermission.schemas.errors import InvalidArgument, InvalidContinuation
+from intermission.schemas.llm import Message
+from intermission.schemas.run import Run, RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.schemas.suspension import (
     Continuation,
     Ending,
     PendingCall,

@@ -13,17 +13,17 @@ import math
 import uuid
 from dataclasses import dataclass, field
 
-from schemas.digest import digest
-from schemas.errors import InvalidArgument, RunExists, RunLeaseLost, RunNotFound, RunNotReclaimable
-from schemas.events import RunEvent
-from schemas.llm import Message
-from schemas.names import RunEventKind
-from schemas.run import Lease, NewRun, Run, RunState
-from schemas.scope import Scope, require_scope
-from schemas.suspension import Continuation, Notice, PendingCall, Progress, SuspendReason, Suspension
-from store import outbox, rows
-from store.db import Conn, Database
-from store.progress import save_progress_in
+from intermission.schemas.digest import digest
+from intermission.schemas.errors import InvalidArgument, RunExists, RunLeaseLost, RunNotFound, RunNotReclaimable
+from intermission.schemas.events import RunEvent
+from intermission.schemas.llm import Message
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.run import Lease, NewRun, Run, RunState
+from intermission.schemas.scope import Scope, require_scope
+from intermission.schemas.suspension import Continuation, Notice, PendingCall, Progress, SuspendReason, Suspension
+from intermission.store import outbox, rows
+from intermission.store.db import Conn, Database
+from intermission.store.progress import save_progress_in
 
 _END_STATES: dict[RunEventKind, RunState] = {
     RunEventKind.COMPLETED: RunState.COMPLETED,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from schemas.llm import Message
-from schemas.scope import Scope, require_scope
-from store.db import Database
-from store.rows import load_model
+from intermission.schemas.llm import Message
+from intermission.schemas.scope import Scope, require_scope
+from intermission.store.db import Database
+from intermission.store.rows import load_model
 
 
 class SessionStore:

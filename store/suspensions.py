@@ -13,7 +13,7 @@ from datetime import datetime
 
 import asyncpg
 
-from schemas.errors import (
+from intermission.schemas.errors import (
     InvalidArgument,
     NotSuspended,
     RunConflict,
@@ -22,11 +22,11 @@ from schemas.errors import (
     SuspensionExists,
     SuspensionExpired,
 )
-from schemas.run import RunState
-from schemas.scope import Scope, require_scope
-from schemas.suspension import ClaimVersion, LeasedClaim, Suspension
-from store import rows
-from store.db import Conn, Database
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope, require_scope
+from intermission.schemas.suspension import ClaimVersion, LeasedClaim, Suspension
+from intermission.store import rows
+from intermission.store.db import Conn, Database
 
 
 def _limit(limit: int | None) -> int | None:

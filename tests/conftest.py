@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from schemas.scope import Scope
-from store import Stores
-from tests import pg
+from intermission.schemas.scope import Scope
+from intermission.store import Stores
+from tests.support import pg
 
 # RabbitMQ fixtures: a vhost per test, captures, real test users, a broker restart.
-pytest_plugins = ["tests.amqp"]
+pytest_plugins = ["tests.support.amqp"]
 
 MakeStores = Callable[[int], Awaitable[list[Stores]]]
 

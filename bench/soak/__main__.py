@@ -25,7 +25,7 @@ Options:
 
 What happens: a fresh database and a fresh RabbitMQ vhost with real users (workers, the bus, a host, two
 approvers, and "mallory") are created; three workers and two sweepers run as subprocesses
-(``python -m fleet.cli worker|sweeper``, with 2 s leases renewed every 0.5 s, a 0.3 s reclaim sweep and a
+(``python -m intermission.ops.cli worker|sweeper``, with 2 s leases renewed every 0.5 s, a 0.3 s reclaim sweep and a
 1 s expiry sweep); a host starts runs with random demo scripts over three scopes and answers their
 notices, two approvers decide approvals and a bus answers agent asks, while faults are injected at random:
 SIGKILL, SIGTERM and crash points of workers, RabbitMQ ``stop_app``/``start_app``, PostgreSQL backend

@@ -34,9 +34,9 @@ from bench.soak.env import SoakEnv
 from bench.soak.ledger import Expect, Fate, Ledger, RunPlan, SentCommand, seeded
 from bench.soak.observe import Observer
 from bench.soak.scripts import Chosen
-from publishers.amqp import RETRYABLE, ConfirmingPublisher, connect
-from publishers.clients import BusClient, HostClient, HostEvent, Subscription, version_of
-from schemas.commands import (
+from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, connect
+from intermission.publishers.clients import BusClient, HostClient, HostEvent, Subscription, version_of
+from intermission.schemas.commands import (
     CancelCommand,
     DecideCommand,
     Decision,
@@ -45,11 +45,11 @@ from schemas.commands import (
     StartCommand,
     ToolAnswer,
 )
-from schemas.events import RunEvent
-from schemas.names import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command, RunEventKind
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
-from schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, Notice, SuspendReason
+from intermission.schemas.events import RunEvent
+from intermission.schemas.names import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command, RunEventKind
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, Notice, SuspendReason
 
 log = logging.getLogger("soak.actors")
 

@@ -25,8 +25,8 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 from yarl import URL
 
-from bench.rabbitctl import delete_vhosts, full_rights, rabbitmqctl, user_definition, write_definitions
-from store.migrate import migrate
+from intermission.store.migrate import migrate
+from tests.support.rabbitctl import delete_vhosts, full_rights, rabbitmqctl, user_definition, write_definitions
 
 log = logging.getLogger("soak.env")
 

@@ -25,7 +25,7 @@ from bench.soak.ledger import Ledger
 from bench.soak.procs import ProcessPool
 from bench.soak.profile import Profile
 from bench.soak.servers import ServerFaults
-from fleet import faults
+from intermission.fleet import points
 
 log = logging.getLogger("soak.injector")
 
@@ -39,7 +39,7 @@ LIGHT = (
 )
 HEAVY = ("rabbitmq_restart", "pg_restart")
 # The crash points a worker process reaches (after_claim is the in-process control's, not the consumers').
-CRASH_POINTS = (faults.AFTER_COMMIT, faults.AFTER_STARTED, faults.BETWEEN_STEPS, faults.AFTER_PAUSE)
+CRASH_POINTS = (points.AFTER_COMMIT, points.AFTER_STARTED, points.BETWEEN_STEPS, points.AFTER_PAUSE)
 COMMAND_DECK = (
     "malformed_command",
     "oversized_command",

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from schemas.scope import Scope
+from intermission.schemas.scope import Scope
 
 
 def seeded(*parts: object) -> random.Random:

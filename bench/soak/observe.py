@@ -17,8 +17,8 @@ from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, AbstractRobustConnection
 
-from publishers.amqp import connect
-from schemas.names import DEAD_QUEUE, ERROR_HEADER, EVENTS_EXCHANGE
+from intermission.publishers.amqp import connect
+from intermission.schemas.names import DEAD_QUEUE, ERROR_HEADER, EVENTS_EXCHANGE
 
 CAPTURE_QUEUE = "soak.capture"
 ORIGINAL_KEY_HEADER = "x-intermission-routing-key"

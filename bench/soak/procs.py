@@ -1,4 +1,5 @@
-"""The fleet under test: worker and sweeper SUBPROCESSES (``python -m fleet.cli worker`` / ``sweeper``),
+"""The fleet under test: worker and sweeper SUBPROCESSES (``python -m tests.support.crash worker`` /
+``sweeper``: the product's CLI, with the crash points it was told to die at made real),
 configured through ``INTERMISSION_*`` variables only, killed and restarted by the fault injector.
 
 Each child asks the kernel to SIGKILL it when the harness dies (``PR_SET_PDEATHSIG``), so a killed harness
@@ -97,7 +98,8 @@ class ProcessPool:
             process = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "fleet.cli",
+                # The product's CLI, with the crash points this worker was told to die at made real.
+                "tests.support.crash",
                 kind,
                 cwd=ROOT,
                 env=env,

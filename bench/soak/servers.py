@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
-from bench.rabbitctl import rabbitmqctl, settle_dead_lettering
+from tests.support.rabbitctl import rabbitmqctl, settle_dead_lettering
 
 log = logging.getLogger("soak.servers")
 

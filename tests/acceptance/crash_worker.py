@@ -1,7 +1,7 @@
 """A worker process for crash tests: applies a plan of commands in-process, then drains.
 
 Run as ``python -m tests.acceptance.crash_worker DSN PLAN_JSON [serve]`` with ``INTERMISSION_CRASH_AT``
-naming a crash point (fleet/faults.py); the process SIGKILLs itself there. With ``serve`` it keeps serving
+naming a crash point (``tests/support/crash.py``); the process SIGKILLs itself there. With ``serve`` it keeps serving
 (reclaim sweep on) until SIGTERM, then stops gracefully. The plan is a list of
 ``{"kind": "start"|"resume"|"decide"|"cancel"|"expire", "command": {...}, "principal"?: str}``.
 """
@@ -13,13 +13,14 @@ import json
 import sys
 from typing import Any
 
-from fleet.agent import default_executor
-from fleet.control import LocalControl
-from fleet.runtime import Fleet
-from fleet.settings import Settings
-from fleet.signals import stop_on_signals
-from schemas.commands import CancelCommand, DecideCommand, ExpireCommand, ResumeCommand, StartCommand
-from store import Stores
+from intermission.agent.loop import default_executor
+from intermission.fleet.runtime import Fleet
+from intermission.fleet.settings import Settings
+from intermission.fleet.signals import stop_on_signals
+from intermission.schemas.commands import CancelCommand, DecideCommand, ExpireCommand, ResumeCommand, StartCommand
+from intermission.store import Stores
+from tests.support.control import LocalControl
+from tests.support.crash import install_from_environment
 
 
 async def main(dsn: str, plan: list[dict[str, Any]], serve: bool) -> None:
@@ -57,4 +58,5 @@ async def main(dsn: str, plan: list[dict[str, Any]], serve: bool) -> None:
 
 
 if __name__ == "__main__":
+    install_from_environment()
     asyncio.run(main(sys.argv[1], json.loads(sys.argv[2]), serve=sys.argv[3:] == ["serve"]))

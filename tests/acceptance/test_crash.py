@@ -17,14 +17,14 @@ from typing import Any
 
 import pytest
 
-from fleet import faults
-from schemas.commands import ResumeCommand, StartCommand, ToolAnswer
-from schemas.llm import Role
-from schemas.run import RunState
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion
-from store import Stores
-from tests.fleet_support import (
+from intermission.fleet import points
+from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.llm import Role
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion
+from intermission.store import Stores
+from tests.support.fleet import (
     Worker,
     charges,
     fast_settings,
@@ -173,7 +173,7 @@ async def test_killed_right_after_a_resume_claim_committed(
         )
         plan.append({"kind": "resume", "command": resume.model_dump(mode="json")})
 
-    await crash_worker(database_url, plan, faults.AFTER_CLAIM)
+    await crash_worker(database_url, plan, points.AFTER_CLAIM)
 
     first = await stores.runs.get_run(scope, commands[0].run_id)
     assert first.state is RunState.RUNNING  # claimed by the dead worker, held by nobody alive
@@ -188,7 +188,7 @@ async def test_killed_after_a_non_retry_safe_call_started(
     stores: Stores, scope: Scope, database_url: str, survivor: Worker
 ) -> None:
     commands, plan = start_steps(scope, CHARGE_THEN_LOOKUP)
-    await crash_worker(database_url, plan, faults.AFTER_STARTED)
+    await crash_worker(database_url, plan, points.AFTER_STARTED)
     run_ids = await created(stores, scope, commands)
     # The worker died with its first charge handed over and the result unsaved.
     died_in = [r for r in run_ids if (await charges(stores, r)).get("call-0-0")]
@@ -205,7 +205,7 @@ async def test_killed_after_a_non_retry_safe_call_started(
 
 async def test_killed_between_two_steps(stores: Stores, scope: Scope, database_url: str, survivor: Worker) -> None:
     commands, plan = start_steps(scope, ECHO_THEN_CHARGE)
-    await crash_worker(database_url, plan, faults.BETWEEN_STEPS)
+    await crash_worker(database_url, plan, points.BETWEEN_STEPS)
     run_ids = await created(stores, scope, commands)
     await settle(stores, scope, survivor, run_ids)
     ledger = await assert_no_call_ran_twice(stores, scope, run_ids)
@@ -218,7 +218,7 @@ async def test_killed_right_after_a_pause_committed(
     stores: Stores, scope: Scope, database_url: str, survivor: Worker
 ) -> None:
     commands, plan = start_steps(scope, CHARGE_THEN_LOOKUP)
-    await crash_worker(database_url, plan, faults.AFTER_PAUSE)
+    await crash_worker(database_url, plan, points.AFTER_PAUSE)
     run_ids = await created(stores, scope, commands)
     paused = [r for r in run_ids if (await stores.runs.get_run(scope, r)).state is RunState.PAUSED]
     assert paused, "no run had paused when the worker died"

@@ -14,20 +14,20 @@ from typing import Any
 
 import pytest
 
-from fleet import faults
-from fleet.agent import default_executor
-from fleet.settings import Settings
-from fleet.worker import running_worker
-from publishers.clients import HostClient, version_of
-from schemas.commands import ResumeCommand, StartCommand, ToolAnswer
-from schemas.run import RunState
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
-from schemas.suspension import Notice
-from store import Stores
-from tests.amqp import DELIVERY_LIMIT, Broker, Vhost
-from tests.fleet_support import fast_settings, outbox_keys
-from tests.waiting import eventually
+from intermission.agent.loop import default_executor
+from intermission.fleet import points
+from intermission.fleet.settings import Settings
+from intermission.fleet.worker import running_worker
+from intermission.publishers.clients import HostClient, version_of
+from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.schemas.suspension import Notice
+from intermission.store import Stores
+from tests.support.amqp import DELIVERY_LIMIT, Broker, Vhost
+from tests.support.fleet import fast_settings, outbox_keys
+from tests.support.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT = 30.0
@@ -96,10 +96,10 @@ async def test_a_command_redelivered_after_its_worker_died_between_commit_and_ac
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "fleet.cli",
+        "tests.support.crash",
         "worker",
         cwd=ROOT,
-        env=worker_env(settings, INTERMISSION_CRASH_AT=faults.AFTER_COMMIT),
+        env=worker_env(settings, INTERMISSION_CRASH_AT=points.AFTER_COMMIT),
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )

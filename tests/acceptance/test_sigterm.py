@@ -9,11 +9,11 @@ import signal
 import sys
 from pathlib import Path
 
-from schemas.run import RunState
-from schemas.scope import Scope
-from store import Stores
-from tests.fleet_support import charges, fast_settings, start_command, worker
-from tests.waiting import eventually
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.store import Stores
+from tests.support.fleet import charges, fast_settings, start_command, worker
+from tests.support.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.amqp import Broker
+from tests.support.amqp import Broker
 
 pytestmark = pytest.mark.integration
 

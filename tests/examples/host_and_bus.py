@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-from publishers.clients import BusClient, HostClient, version_of
-from schemas.commands import ResumeCommand, StartCommand, ToolAnswer
-from schemas.events import RunEvent
-from schemas.names import RunEventKind
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
-from schemas.suspension import Notice, SuspendReason
+from intermission.publishers.clients import BusClient, HostClient, version_of
+from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.events import RunEvent
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.schemas.suspension import Notice, SuspendReason
 
 
 async def host_runs_a_lookup(amqp_url: str, scope: Scope, run_id: str) -> str:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 
-from fleet.agent import AgentLoop
-from fleet.model import ModelRequest, ModelTurn
-from fleet.tools import demo_tools
-from schemas.llm import Role, ToolCall, Usage
+from intermission.agent.loop import AgentLoop
+from intermission.agent.model import ModelRequest, ModelTurn
+from intermission.agent.tools import demo_tools
+from intermission.schemas.llm import Role, ToolCall, Usage
 
 
 class KeywordModel:

@@ -13,19 +13,19 @@ import uuid
 import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 
-from consumers.handlers import CommandHandlers, WorkerHooks
-from consumers.parsing import Delivery
-from consumers.policy import AckPolicy
-from consumers.rejection import Rejecter
-from consumers.service import CommandConsumers
-from fleet.topology import declare
-from schemas.errors import StoreUnavailable
-from schemas.names import COMMANDS_EXCHANGE, DEAD_EXCHANGE, SCHEMA_VERSION_HEADER, Command
-from schemas.run import Lease
-from store import Stores
-from store.commands import Claimed, RunDefaults
-from tests.amqp import DELIVERY_LIMIT, CaptureFactory, ConnectionFactory
-from tests.waiting import eventually
+from intermission.consumers.handlers import CommandHandlers, WorkerHooks
+from intermission.consumers.parsing import Delivery
+from intermission.consumers.policy import AckPolicy
+from intermission.consumers.rejection import Rejecter
+from intermission.consumers.service import CommandConsumers
+from intermission.fleet.topology import declare
+from intermission.schemas.errors import StoreUnavailable
+from intermission.schemas.names import COMMANDS_EXCHANGE, DEAD_EXCHANGE, SCHEMA_VERSION_HEADER, Command
+from intermission.schemas.run import Lease
+from intermission.store import Stores
+from intermission.store.commands import Claimed, RunDefaults
+from tests.support.amqp import DELIVERY_LIMIT, CaptureFactory, ConnectionFactory
+from tests.support.waiting import eventually
 
 
 class FlakyHandlers(CommandHandlers):

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from bench.rabbitctl import delete_expression, rabbitmqctl
-from tests.amqp import Broker, Vhost, declare_topology
+from tests.support.amqp import Broker, Vhost, declare_topology
+from tests.support.rabbitctl import delete_expression, rabbitmqctl
 
 pytestmark = pytest.mark.integration
 

@@ -14,12 +14,19 @@ import aiormq
 import asyncpg
 import pytest
 
-from publishers.amqp import TRACEPARENT_HEADER, PublishFailed
-from publishers.clients import BusClient, EventKind, HostClient, Received, Subscription, version_of
-from publishers.relay import OutboxRelay
-from schemas.commands import CancelCommand, DecideCommand, Decision, ResumeCommand, StartCommand, ToolAnswer
-from schemas.events import CommandRejected, RunEvent
-from schemas.names import (
+from intermission.publishers.amqp import TRACEPARENT_HEADER, PublishFailed
+from intermission.publishers.clients import BusClient, EventKind, HostClient, Received, Subscription, version_of
+from intermission.publishers.relay import OutboxRelay
+from intermission.schemas.commands import (
+    CancelCommand,
+    DecideCommand,
+    Decision,
+    ResumeCommand,
+    StartCommand,
+    ToolAnswer,
+)
+from intermission.schemas.events import CommandRejected, RunEvent
+from intermission.schemas.names import (
     COMMANDS_EXCHANGE,
     SCHEMA_VERSION,
     SCHEMA_VERSION_HEADER,
@@ -27,14 +34,14 @@ from schemas.names import (
     RunEventKind,
     rejected_key,
 )
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion, Notice, SuspendReason
-from store import Stores, outbox
-from tests.factories import paused_run, running_run
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion, Notice, SuspendReason
+from intermission.store import Stores, outbox
+from tests.support.factories import paused_run, running_run
 
 if TYPE_CHECKING:
-    # Types only: importing tests.amqp here would defeat pytest's assertion rewriting of the plugin.
-    from tests.amqp import Broker, CaptureFactory, ConnectionFactory, Vhost
+    # Types only: importing tests.support.amqp here would defeat pytest's assertion rewriting of the plugin.
+    from tests.support.amqp import Broker, CaptureFactory, ConnectionFactory, Vhost
 
 pytestmark = pytest.mark.integration
 # The broker fixtures (a vhost per test, captures, the test users) until tests/conftest.py lists them.

@@ -10,20 +10,20 @@ from collections.abc import AsyncIterator
 import aio_pika
 import pytest
 
-from fleet.agent import default_executor
-from fleet.ops import list_dead, replay_dead
-from fleet.worker import Worker, running_worker
-from publishers.clients import HostClient, version_of
-from schemas.commands import ResumeCommand, StartCommand, ToolAnswer
-from schemas.names import DEAD_EXCHANGE, ERROR_HEADER, SCHEMA_VERSION_HEADER, Command
-from schemas.run import RunState
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
-from schemas.suspension import Notice
-from store import Stores
-from tests.amqp import DELIVERY_LIMIT, Broker, ConnectionFactory, Vhost
-from tests.fleet_support import fast_settings
-from tests.waiting import eventually
+from intermission.agent.loop import default_executor
+from intermission.fleet.worker import Worker, running_worker
+from intermission.ops.dead import list_dead, replay_dead
+from intermission.publishers.clients import HostClient, version_of
+from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.names import DEAD_EXCHANGE, ERROR_HEADER, SCHEMA_VERSION_HEADER, Command
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.schemas.suspension import Notice
+from intermission.store import Stores
+from tests.support.amqp import DELIVERY_LIMIT, Broker, ConnectionFactory, Vhost
+from tests.support.fleet import fast_settings
+from tests.support.waiting import eventually
 
 
 @pytest.fixture

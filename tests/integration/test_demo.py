@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fleet.demo import play
-from schemas.run import RunState
-from store import Stores
-from tests.amqp import DELIVERY_LIMIT
-from tests.fleet_support import fast_settings
+from intermission.ops.demo import play
+from intermission.schemas.run import RunState
+from intermission.store import Stores
+from tests.support.amqp import DELIVERY_LIMIT
+from tests.support.fleet import fast_settings
 
 
 async def test_the_demo_completes_a_run_for_each_pause_reason(stores: Stores, database_url: str, amqp_url: str) -> None:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from fleet.control import LocalControl
-from fleet.plugins import load_executor
-from fleet.runtime import Fleet
-from schemas.commands import ResumeCommand, ToolAnswer
-from schemas.run import RunState
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion
-from store import Stores
-from tests.fleet_support import fast_settings, start_command
+from intermission.agent.plugins import load_executor
+from intermission.fleet.runtime import Fleet
+from intermission.schemas.commands import ResumeCommand, ToolAnswer
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion
+from intermission.store import Stores
+from tests.support.control import LocalControl
+from tests.support.fleet import fast_settings, start_command
 
 
 async def test_a_plugged_in_model_runs_pauses_and_resumes(stores: Stores, scope: Scope, database_url: str) -> None:

@@ -8,18 +8,18 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from fleet.agent import default_executor
-from fleet.worker import Worker, running_worker
-from publishers.clients import HostClient
-from schemas.commands import StartCommand
-from schemas.run import RunState
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
-from store import Stores
-from tests.amqp import DELIVERY_LIMIT, Broker, Vhost
+from intermission.agent.loop import default_executor
+from intermission.fleet.worker import Worker, running_worker
+from intermission.publishers.clients import HostClient
+from intermission.schemas.commands import StartCommand
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.store import Stores
 from tests.examples.host_and_bus import bus_answers_one_ask, host_runs_a_lookup
-from tests.fleet_support import fast_settings
-from tests.waiting import eventually
+from tests.support.amqp import DELIVERY_LIMIT, Broker, Vhost
+from tests.support.fleet import fast_settings
+from tests.support.waiting import eventually
 
 
 @pytest.fixture

@@ -8,18 +8,18 @@ from typing import Any
 
 import pytest
 
-from fleet.executor import RunContext
-from fleet.lease import LeaseKeeper
-from schemas.errors import RunLeaseLost
-from schemas.names import RunEventKind
-from schemas.run import Lease, RunState
-from schemas.scope import Scope
-from schemas.suspension import PendingCall, Progress, SuspendReason
-from store import Stores
-from store.runs import Pause
-from tests.factories import continuation, running_run
-from tests.fleet_support import charges, fast_settings, start_command, worker
-from tests.waiting import eventually
+from intermission.agent.executor import RunContext
+from intermission.fleet.lease import LeaseKeeper
+from intermission.schemas.errors import RunLeaseLost
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.run import Lease, RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import PendingCall, Progress, SuspendReason
+from intermission.store import Stores
+from intermission.store.runs import Pause
+from tests.support.factories import continuation, running_run
+from tests.support.fleet import charges, fast_settings, start_command, worker
+from tests.support.waiting import eventually
 
 
 async def table_state(stores: Stores, run_id: str) -> dict[str, Any]:

@@ -10,8 +10,8 @@ from datetime import datetime
 
 import pytest
 
-from schemas.answers import reply_progress
-from schemas.commands import (
+from intermission.schemas.answers import reply_progress
+from intermission.schemas.commands import (
     CancelCommand,
     DecideCommand,
     Decision,
@@ -20,8 +20,8 @@ from schemas.commands import (
     ResumeCommand,
     ToolAnswer,
 )
-from schemas.config import RunConfig
-from schemas.errors import (
+from intermission.schemas.config import RunConfig
+from intermission.schemas.errors import (
     Forbidden,
     InvalidState,
     NotAgentReplyResumable,
@@ -29,13 +29,13 @@ from schemas.errors import (
     RequiresApproval,
     ResultsMismatch,
 )
-from schemas.llm import Role
-from schemas.resume import ResumeAdmissionRequest
-from schemas.run import Lease, RunState
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion, SuspendReason, Suspension
-from store import Stores
-from tests.fleet_support import (
+from intermission.schemas.llm import Role
+from intermission.schemas.resume import ResumeAdmissionRequest
+from intermission.schemas.run import Lease, RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion, SuspendReason, Suspension
+from intermission.store import Stores
+from tests.support.fleet import (
     Worker,
     charges,
     fast_settings,

@@ -13,13 +13,13 @@ from typing import Any
 import aio_pika
 import pytest
 
-from fleet.agent import default_executor
-from fleet.settings import Settings
-from fleet.worker import Worker, running_worker
-from publishers.clients import BusClient, HostClient, Received, Subscription, version_of
-from schemas.commands import DecideCommand, Decision, ResumeCommand, StartCommand, ToolAnswer
-from schemas.events import CommandRejected, RunEvent
-from schemas.names import (
+from intermission.agent.loop import default_executor
+from intermission.fleet.settings import Settings
+from intermission.fleet.worker import Worker, running_worker
+from intermission.publishers.clients import BusClient, HostClient, Received, Subscription, version_of
+from intermission.schemas.commands import DecideCommand, Decision, ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.events import CommandRejected, RunEvent
+from intermission.schemas.names import (
     COMMANDS_EXCHANGE,
     DEAD_EXCHANGE,
     ERROR_HEADER,
@@ -28,14 +28,14 @@ from schemas.names import (
     Command,
     RunEventKind,
 )
-from schemas.run import RunState
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
-from schemas.suspension import Notice, SuspendReason
-from store import Stores
-from tests.amqp import DELIVERY_LIMIT, AmqpUser, Broker, CaptureFactory, Vhost
-from tests.fleet_support import fast_settings, outbox_keys
-from tests.waiting import eventually
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.schemas.suspension import Notice, SuspendReason
+from intermission.store import Stores
+from tests.support.amqp import DELIVERY_LIMIT, AmqpUser, Broker, CaptureFactory, Vhost
+from tests.support.fleet import fast_settings, outbox_keys
+from tests.support.waiting import eventually
 
 WAIT = 20.0
 

@@ -13,10 +13,10 @@ import asyncpg
 import pytest
 from click.testing import CliRunner
 
-from fleet.cli import main
-from schemas.errors import IntermissionError
-from store.migrate import MigrationError, ensure_database, migrate, migrations
-from tests import pg
+from intermission.ops.cli import main
+from intermission.schemas.errors import IntermissionError
+from intermission.store.migrate import MigrationError, ensure_database, migrate, migrations
+from tests.support import pg
 
 pytestmark = pytest.mark.integration
 

@@ -11,18 +11,18 @@ from typing import Any
 
 import pytest
 
-from schemas.commands import ResumeCommand, StartCommand, ToolAnswer
-from schemas.errors import InvalidContinuation, MessageIdConflict, NotSuspended, RunConflict, RunLeaseLost
-from schemas.llm import Message, Role
-from schemas.names import RunEventKind
-from schemas.run import Lease
-from schemas.scope import Scope
-from store import Stores
-from store.commands import Claimed, CommandStore, RunDefaults
-from store.inbox import AlreadyApplied, Receipt
+from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.errors import InvalidContinuation, MessageIdConflict, NotSuspended, RunConflict, RunLeaseLost
+from intermission.schemas.llm import Message, Role
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.run import Lease
+from intermission.schemas.scope import Scope
+from intermission.store import Stores
+from intermission.store.commands import Claimed, CommandStore, RunDefaults
+from intermission.store.inbox import AlreadyApplied, Receipt
 from tests.conftest import MakeStores, race
-from tests.factories import PausedRun, lease, paused_run, running_run
-from tests.integration.test_store_support import Inspector, inspector, pin, unexpected, winners
+from tests.support.factories import PausedRun, lease, paused_run, running_run
+from tests.support.inspect import Inspector, inspector, pin, unexpected, winners
 
 pytestmark = pytest.mark.integration
 

@@ -15,21 +15,21 @@ import aio_pika
 import asyncpg
 import pytest
 
-from publishers.amqp import TRACEPARENT_HEADER, PublishFailed
-from publishers.relay import OutboxRelay
-from schemas.events import RunEvent
-from schemas.names import EVENTS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, RunEventKind, notice_key
-from schemas.scope import Scope
-from schemas.suspension import SuspendReason
-from store import Stores, outbox
-from store.db import Database
+from intermission.publishers.amqp import TRACEPARENT_HEADER, PublishFailed
+from intermission.publishers.relay import OutboxRelay
+from intermission.schemas.events import RunEvent
+from intermission.schemas.names import EVENTS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, RunEventKind, notice_key
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import SuspendReason
+from intermission.store import Stores, outbox
+from intermission.store.db import Database
 from tests.conftest import MakeStores, race
-from tests.factories import paused_run, running_run
-from tests.waiting import eventually
+from tests.support.factories import paused_run, running_run
+from tests.support.waiting import eventually
 
 if TYPE_CHECKING:
-    # Types only: importing tests.amqp here would defeat pytest's assertion rewriting of the plugin.
-    from tests.amqp import Broker, CaptureFactory, ConnectionFactory
+    # Types only: importing tests.support.amqp here would defeat pytest's assertion rewriting of the plugin.
+    from tests.support.amqp import Broker, CaptureFactory, ConnectionFactory
 
 pytestmark = pytest.mark.integration
 # The broker fixtures (a vhost per test, captures, the test users) until tests/conftest.py lists them.

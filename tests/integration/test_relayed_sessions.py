@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING
 import asyncpg
 import pytest
 
-from publishers.relay import OutboxRelay
-from schemas.events import RunEvent
-from schemas.names import EVENTS_EXCHANGE, RunEventKind
-from schemas.scope import Scope
-from store import Stores, outbox
-from tests.factories import paused_run
+from intermission.publishers.relay import OutboxRelay
+from intermission.schemas.events import RunEvent
+from intermission.schemas.names import EVENTS_EXCHANGE, RunEventKind
+from intermission.schemas.scope import Scope
+from intermission.store import Stores, outbox
+from tests.support.factories import paused_run
 
 if TYPE_CHECKING:
-    from tests.amqp import CaptureFactory, ConnectionFactory
+    from tests.support.amqp import CaptureFactory, ConnectionFactory
 
 pytestmark = pytest.mark.integration
 

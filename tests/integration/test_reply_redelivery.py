@@ -12,22 +12,22 @@ from typing import Any
 
 import pytest
 
-from fleet.agent import default_executor
-from fleet.settings import Settings
-from fleet.worker import Worker, running_worker
-from publishers.clients import BusClient, HostClient, Subscription, version_of
-from schemas.commands import ReplyCommand
-from schemas.errors import NotSuspended, RunConflict
-from schemas.events import RunEvent
-from schemas.names import DEAD_EXCHANGE, EVENTS_EXCHANGE, RunEventKind
-from schemas.run import RunState
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion, Notice
-from store import Stores
-from store.inbox import AlreadyApplied
-from tests.amqp import DELIVERY_LIMIT, Broker, Capture, CaptureFactory, Vhost
-from tests.fleet_support import Worker as LocalWorker
-from tests.fleet_support import fast_settings, outbox_keys, start_command, worker
+from intermission.agent.loop import default_executor
+from intermission.fleet.settings import Settings
+from intermission.fleet.worker import Worker, running_worker
+from intermission.publishers.clients import BusClient, HostClient, Subscription, version_of
+from intermission.schemas.commands import ReplyCommand
+from intermission.schemas.errors import NotSuspended, RunConflict
+from intermission.schemas.events import RunEvent
+from intermission.schemas.names import DEAD_EXCHANGE, EVENTS_EXCHANGE, RunEventKind
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion, Notice
+from intermission.store import Stores
+from intermission.store.inbox import AlreadyApplied
+from tests.support.amqp import DELIVERY_LIMIT, Broker, Capture, CaptureFactory, Vhost
+from tests.support.fleet import Worker as LocalWorker
+from tests.support.fleet import fast_settings, outbox_keys, start_command, worker
 
 WAIT = 20.0
 TWO_ASKS: list[dict[str, Any]] = [

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from schemas.digest import digest
-from schemas.errors import (
+from intermission.schemas.digest import digest
+from intermission.schemas.errors import (
     InputTooLarge,
     InvalidArgument,
     InvalidScope,
@@ -20,14 +20,19 @@ from schemas.errors import (
     RunLeaseLost,
     SuspensionExpired,
 )
-from schemas.resume import LEGACY_SCHEMA_VERSION, RESUME_SCHEMA_VERSION, ResumeAdmission, ResumeAdmissionRequest
-from schemas.run import Lease
-from schemas.scope import Scope
-from schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, SuspendReason
-from store import Stores
+from intermission.schemas.resume import (
+    LEGACY_SCHEMA_VERSION,
+    RESUME_SCHEMA_VERSION,
+    ResumeAdmission,
+    ResumeAdmissionRequest,
+)
+from intermission.schemas.run import Lease
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, SuspendReason
+from intermission.store import Stores
 from tests.conftest import MakeStores, race
-from tests.factories import lease, paused_run
-from tests.integration.test_resume_support import (
+from tests.support.factories import lease, paused_run
+from tests.support.resume import (
     admission_request,
     agent_reply_pause,
     count,

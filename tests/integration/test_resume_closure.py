@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from schemas.errors import (
+from intermission.schemas.errors import (
     Forbidden,
     InvalidArgument,
     InvalidScope,
@@ -22,16 +22,16 @@ from schemas.errors import (
     TransientError,
     UnsupportedSchemaVersion,
 )
-from schemas.resume import ResumeClosure, ResumeClosureRequest
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion, PendingCall, SuspendReason
-from store import Stores
-from store.closer import ResumeCloser
-from store.resume import ResumeStore
-from store.runs import Pause
+from intermission.schemas.resume import ResumeClosure, ResumeClosureRequest
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion, PendingCall, SuspendReason
+from intermission.store import Stores
+from intermission.store.closer import ResumeCloser
+from intermission.store.resume import ResumeStore
+from intermission.store.runs import Pause
 from tests.conftest import MakeStores, race
-from tests.factories import PausedRun, continuation, lease
-from tests.integration.test_resume_support import (
+from tests.support.factories import PausedRun, continuation, lease
+from tests.support.resume import (
     admission_request,
     admitted_and_started,
     agent_reply_pause,

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.errors import InvalidArgument, InvalidScope, ResumeAdmissionNotFound
-from schemas.names import RunEventKind
-from schemas.scope import Scope
-from schemas.suspension import PendingCall, SuspendReason
-from store import Stores
-from store.runs import Pause
-from tests.factories import PausedRun, continuation, lease, paused_run
-from tests.integration.test_resume_support import (
+from intermission.schemas.errors import InvalidArgument, InvalidScope, ResumeAdmissionNotFound
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import PendingCall, SuspendReason
+from intermission.store import Stores
+from intermission.store.runs import Pause
+from tests.support.factories import PausedRun, continuation, lease, paused_run
+from tests.support.resume import (
     admission_request,
     agent_reply_pause,
     resume_store,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.errors import (
+from intermission.schemas.errors import (
     InvalidArgument,
     InvalidContinuation,
     InvalidScope,
@@ -16,14 +16,14 @@ from schemas.errors import (
     RunLeaseLost,
     SuspensionExpired,
 )
-from schemas.names import RunEventKind
-from schemas.resume import RESUME_SCHEMA_VERSION, ResumeExpiry, ResumeStart
-from schemas.run import Lease
-from schemas.scope import Scope
-from store import Stores
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.resume import RESUME_SCHEMA_VERSION, ResumeExpiry, ResumeStart
+from intermission.schemas.run import Lease
+from intermission.schemas.scope import Scope
+from intermission.store import Stores
 from tests.conftest import MakeStores, race
-from tests.factories import lease
-from tests.integration.test_resume_support import (
+from tests.support.factories import lease
+from tests.support.resume import (
     admission_request,
     agent_reply_pause,
     count,

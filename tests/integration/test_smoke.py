@@ -2,12 +2,12 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.errors import NotSuspended
-from schemas.run import RunState
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion, LeasedClaim, Progress
-from store import Stores
-from tests.factories import lease, paused_run
+from intermission.schemas.errors import NotSuspended
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion, LeasedClaim, Progress
+from intermission.store import Stores
+from tests.support.factories import lease, paused_run
 
 
 async def test_claim_then_second_claim(stores: Stores, scope: Scope) -> None:

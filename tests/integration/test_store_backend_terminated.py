@@ -14,8 +14,8 @@ from collections import Counter
 import asyncpg
 import pytest
 
-from schemas.errors import StoreUnavailable
-from store.db import Database, translated
+from intermission.schemas.errors import StoreUnavailable
+from intermission.store.db import Database, translated
 
 TERMINATIONS = 40
 USERS = 4

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from schemas.errors import (
+from intermission.schemas.errors import (
     InvalidArgument,
     InvalidContinuation,
     InvalidScope,
@@ -24,14 +24,14 @@ from schemas.errors import (
     RunNotFound,
     StoreUnavailable,
 )
-from schemas.names import RunEventKind
-from schemas.run import Lease, NewRun
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion, LeasedClaim, PendingCall, Progress, SuspendReason, Suspension
-from store import Stores
-from store.runs import Pause
-from tests.factories import continuation, lease, paused_run, running_run
-from tests.integration.test_store_support import (
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.run import Lease, NewRun
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion, LeasedClaim, PendingCall, Progress, SuspendReason, Suspension
+from intermission.store import Stores
+from intermission.store.runs import Pause
+from tests.support.factories import continuation, lease, paused_run, running_run
+from tests.support.inspect import (
     FAR_FUTURE,
     Inspector,
     closed_stores,

@@ -14,22 +14,22 @@ from typing import Any
 
 import pytest
 
-from schemas.errors import (
+from intermission.schemas.errors import (
     NotSuspended,
     RunConflict,
     RunLeaseLost,
     RunNotReclaimable,
     SuspensionExpired,
 )
-from schemas.names import RunEventKind
-from schemas.run import Lease, Run
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion, PendingCall, SuspendReason, Suspension
-from store import Stores
-from store.runs import Pause, Reclaimed
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.run import Lease, Run
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion, PendingCall, SuspendReason, Suspension
+from intermission.store import Stores
+from intermission.store.runs import Pause, Reclaimed
 from tests.conftest import MakeStores, race
-from tests.factories import PausedRun, continuation, lease, paused_run, running_run
-from tests.integration.test_store_support import (
+from tests.support.factories import PausedRun, continuation, lease, paused_run, running_run
+from tests.support.inspect import (
     FAR_FUTURE,
     Inspector,
     inspector,

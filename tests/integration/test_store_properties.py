@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.config import Budget, ContextPolicy, ExecutionProvenance, PublicationPolicy, RunConfig
-from schemas.errors import InvalidArgument
-from schemas.llm import Message, Role, ToolCall, ToolOutcome, ToolResult, Usage
-from schemas.run import NewRun
-from schemas.scope import Scope
-from schemas.suspension import (
+from intermission.schemas.config import Budget, ContextPolicy, ExecutionProvenance, PublicationPolicy, RunConfig
+from intermission.schemas.errors import InvalidArgument
+from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome, ToolResult, Usage
+from intermission.schemas.run import NewRun
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import (
     Continuation,
     Ending,
     EndingKind,
@@ -29,9 +29,9 @@ from schemas.suspension import (
     SuspendReason,
     Suspension,
 )
-from store import Stores
-from tests.factories import continuation, running_run
-from tests.integration.test_store_support import inspector
+from intermission.store import Stores
+from tests.support.factories import continuation, running_run
+from tests.support.inspect import inspector
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from schemas.errors import (
+from intermission.schemas.errors import (
     IntermissionError,
     InvalidScope,
     NotSuspended,
@@ -25,10 +25,10 @@ from schemas.errors import (
     SuspensionExpired,
     TransientError,
 )
-from schemas.names import RunEventKind
-from schemas.run import Lease, RunState
-from schemas.scope import Scope
-from schemas.suspension import (
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.run import Lease, RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import (
     ClaimVersion,
     Ending,
     EndingKind,
@@ -39,11 +39,11 @@ from schemas.suspension import (
     SuspendReason,
     Suspension,
 )
-from store import Stores
-from store.runs import Pause
+from intermission.store import Stores
+from intermission.store.runs import Pause
 from tests.conftest import MakeStores, race
-from tests.factories import PausedRun, continuation, lease, paused_run, running_run
-from tests.integration.test_store_support import (
+from tests.support.factories import PausedRun, continuation, lease, paused_run, running_run
+from tests.support.inspect import (
     FAR_FUTURE,
     Inspector,
     closed_stores,

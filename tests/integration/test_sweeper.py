@@ -14,20 +14,20 @@ import aio_pika
 import asyncpg
 import pytest
 
-from publishers.sweeper import ExpirySweeper
-from schemas.commands import ExpireCommand
-from schemas.names import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion
-from store import Stores
-from store.db import Database
+from intermission.publishers.sweeper import ExpirySweeper
+from intermission.schemas.commands import ExpireCommand
+from intermission.schemas.names import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion
+from intermission.store import Stores
+from intermission.store.db import Database
 from tests.conftest import MakeStores, race
-from tests.factories import PausedRun, paused_run
-from tests.waiting import eventually
+from tests.support.factories import PausedRun, paused_run
+from tests.support.waiting import eventually
 
 if TYPE_CHECKING:
-    # Types only: importing tests.amqp here would defeat pytest's assertion rewriting of the plugin.
-    from tests.amqp import Capture, CaptureFactory, ConnectionFactory
+    # Types only: importing tests.support.amqp here would defeat pytest's assertion rewriting of the plugin.
+    from tests.support.amqp import Capture, CaptureFactory, ConnectionFactory
 
 pytestmark = pytest.mark.integration
 # The broker fixtures (a vhost per test, captures, the test users) until tests/conftest.py lists them.
@@ -224,7 +224,7 @@ async def test_a_rate_limited_sweeper_spaces_its_pages_and_still_publishes_every
     async def recorded(_stop: asyncio.Event, seconds: float) -> None:
         waits.append(seconds)  # recorded, not slept: the test asserts what was asked, never a time
 
-    monkeypatch.setattr("publishers.sweeper.wait_or_stop", recorded)
+    monkeypatch.setattr("intermission.publishers.sweeper.wait_or_stop", recorded)
     # 3 commands a second, a second's worth in one burst: each full page of 3 must take a second, far longer
     # than it does.
     sweeper = await new_sweeper(stores.db, amqp_url, amqp_connect, sweepers, batch=3, max_rate=3.0)

@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING
 import asyncpg
 import pytest
 
-from publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher, json_message
-from publishers.sweeper import ExpirySweeper
-from schemas.names import COMMANDS_EXCHANGE, Command
-from schemas.scope import Scope
-from store import Stores
-from tests.factories import paused_run
-from tests.waiting import eventually
+from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher, json_message
+from intermission.publishers.sweeper import ExpirySweeper
+from intermission.schemas.names import COMMANDS_EXCHANGE, Command
+from intermission.schemas.scope import Scope
+from intermission.store import Stores
+from tests.support.factories import paused_run
+from tests.support.waiting import eventually
 
 if TYPE_CHECKING:
-    from tests.amqp import Broker, CaptureFactory, ConnectionFactory
+    from tests.support.amqp import Broker, CaptureFactory, ConnectionFactory
 
 pytestmark = pytest.mark.integration
 

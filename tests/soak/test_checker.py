@@ -14,7 +14,7 @@ import pytest
 from bench.soak.checker import Checker, CheckResult, Evidence, Snapshot
 from bench.soak.ledger import Expect, Fate, Ledger, RunPlan, SentCommand
 from bench.soak.observe import DeadLetter, Event
-from schemas.scope import Scope
+from intermission.schemas.scope import Scope
 
 SCOPE = Scope(app="soak", tenant="t0")
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

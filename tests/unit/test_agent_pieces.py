@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
-from fleet.agent import _open_turn
-from fleet.model import ModelRequest, ScriptedModel
-from fleet.tools import ToolKind, demo_tools
-from schemas.config import RunConfig
-from schemas.llm import Message, Role, ToolCall
-from schemas.run import Run, RunState
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
+from intermission.agent.loop import _open_turn
+from intermission.agent.model import ModelRequest, ScriptedModel
+from intermission.agent.tools import ToolKind, demo_tools
+from intermission.schemas.config import RunConfig
+from intermission.schemas.llm import Message, Role, ToolCall
+from intermission.schemas.run import Run, RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
 
 
 def run_with(script: list[dict[str, object]] | None) -> Run:

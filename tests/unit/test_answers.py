@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.answers import (
+from intermission.schemas.answers import (
     Source,
     check_approver,
     check_authority,
@@ -13,8 +13,8 @@ from schemas.answers import (
     results_progress,
     validate_results,
 )
-from schemas.commands import Decision, ToolAnswer
-from schemas.errors import (
+from intermission.schemas.commands import Decision, ToolAnswer
+from intermission.schemas.errors import (
     Forbidden,
     IntermissionError,
     InvalidState,
@@ -22,9 +22,9 @@ from schemas.errors import (
     RequiresApproval,
     ResultsMismatch,
 )
-from schemas.llm import ToolOutcome
-from schemas.scope import Scope
-from schemas.suspension import PendingCall, SuspendReason, Suspension
+from intermission.schemas.llm import ToolOutcome
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import PendingCall, SuspendReason, Suspension
 
 PENDING = [PendingCall(id="c1", name="lookup"), PendingCall(id="c2", name="lookup")]
 

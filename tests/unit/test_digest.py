@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schemas.digest import canonical_json, digest
-from schemas.resume import ResumeAdmissionRequest
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion
+from intermission.schemas.digest import canonical_json, digest
+from intermission.schemas.resume import ResumeAdmissionRequest
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion
 
 
 class Colour(StrEnum):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from consumers.parsing import Delivery, check_envelope, parse_body
-from schemas.commands import ResumeCommand
-from schemas.errors import IntermissionError, InvalidMessage, InvalidScope, UnsupportedSchemaVersion
+from intermission.consumers.parsing import Delivery, check_envelope, parse_body
+from intermission.schemas.commands import ResumeCommand
+from intermission.schemas.errors import IntermissionError, InvalidMessage, InvalidScope, UnsupportedSchemaVersion
 
 GOOD = b'{"scope":{"app":"a","tenant":"t"},"version":{"run_id":"r","suspension_id":1,"run_revision":1},"results":[]}'
 

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.agent import AgentLoop
-from fleet.plugins import ExecutorSettingError, load_executor
-from fleet.settings import Settings
+from intermission.agent.loop import AgentLoop
+from intermission.agent.plugins import ExecutorSettingError, load_executor
+from intermission.fleet.settings import Settings
 
 
 def test_the_default_executor_is_the_agent_loop() -> None:

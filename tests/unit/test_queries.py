@@ -10,8 +10,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from store.db import Conn
-from store.queries import OUTBOX_WRITERS, QUERIES, parse
+from intermission.store.db import Conn
+from intermission.store.queries import OUTBOX_WRITERS, QUERIES, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 SQL_FILES = sorted((ROOT / "store" / "queries").glob("*.sql"))

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from schemas.digest import digest
-from schemas.errors import InputTooLarge, InvalidArgument, InvalidScope, UnsupportedSchemaVersion
-from schemas.resume import (
+from intermission.schemas.digest import digest
+from intermission.schemas.errors import InputTooLarge, InvalidArgument, InvalidScope, UnsupportedSchemaVersion
+from intermission.schemas.resume import (
     RESUME_SCHEMA_VERSION,
     ResumeAdmission,
     ResumeAdmissionRequest,
@@ -24,9 +24,9 @@ from schemas.resume import (
     check_input_size,
     input_encoded_size,
 )
-from schemas.scope import Scope
-from schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, SuspendReason, Suspension
-from store.resume import MAX_CURSOR_CHARS, decode_cursor, encode_cursor
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, SuspendReason, Suspension
+from intermission.store.resume import MAX_CURSOR_CHARS, decode_cursor, encode_cursor
 
 SCOPE = Scope(app="acme", tenant="t1")
 VERSION = ClaimVersion(run_id="run-1", suspension_id=7, run_revision=3)

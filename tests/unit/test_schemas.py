@@ -11,12 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from schemas.config import RunConfig
-from schemas.errors import InvalidScope
-from schemas.run import Lease
-from schemas.scope import Scope, require_scope
-from schemas.suspension import Continuation, Progress, Suspension
-from tests.factories import continuation
+from intermission.schemas.config import RunConfig
+from intermission.schemas.errors import InvalidScope
+from intermission.schemas.run import Lease
+from intermission.schemas.scope import Scope, require_scope
+from intermission.schemas.suspension import Continuation, Progress, Suspension
+from tests.support.factories import continuation
 
 # --- RunConfig.tools_restricted: absent decodes as FALSE, never true -------------------------------------
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from publishers import sweeper
-from publishers.sweeper import _Pacer
+from intermission.publishers import sweeper
+from intermission.publishers.sweeper import _Pacer
 
 
 async def test_a_pacer_lets_a_seconds_worth_go_at_once_across_pages_then_waits(

@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from schemas.config import RunConfig
-from schemas.llm import Message, Role, ToolCall, Usage
-from schemas.run import Run
+from intermission.schemas.config import RunConfig
+from intermission.schemas.llm import Message, Role, ToolCall, Usage
+from intermission.schemas.run import Run
 
 
 @dataclass(frozen=True)

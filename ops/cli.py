@@ -12,14 +12,14 @@ from typing import Any, TypeVar
 import click
 from pydantic import ValidationError
 
-from fleet.logs import configure as configure_logs
-from fleet.settings import Settings
-from publishers.amqp import connect
-from schemas.errors import IntermissionError, NotSuspended, ProgressNotFound
-from schemas.run import RunState
-from schemas.scope import Scope
-from store import Stores
-from store.migrate import ensure_database, migrate
+from intermission.fleet.logs import configure as configure_logs
+from intermission.fleet.settings import Settings
+from intermission.publishers.amqp import connect
+from intermission.schemas.errors import IntermissionError, NotSuspended, ProgressNotFound
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.store import Stores
+from intermission.store.migrate import ensure_database, migrate
 
 T = TypeVar("T")
 
@@ -91,7 +91,7 @@ def worker_command() -> None:
     """Run a worker until SIGTERM: consume commands, relay the outbox, run claimed runs, take over lapsed ones."""
     settings = load_settings()
     configure_logs(settings.log_level)
-    from fleet.worker import serve
+    from intermission.fleet.worker import serve
 
     run_or_exit("worker", serve(settings))
 
@@ -101,7 +101,7 @@ def sweeper_command() -> None:
     """Run the expiry sweeper until SIGTERM: publish run.expire for every expired pause, in every scope."""
     settings = load_settings()
     configure_logs(settings.log_level)
-    from fleet.worker import sweep
+    from intermission.fleet.worker import sweep
 
     run_or_exit("sweeper", sweep(settings))
 
@@ -111,7 +111,7 @@ def demo_command() -> None:
     """Play runs that pause for each reason on the local servers, and tell the story as it happens."""
     settings = load_settings()
     configure_logs("WARNING")
-    from fleet.demo import TIMEOUT_SECONDS, play
+    from intermission.ops.demo import TIMEOUT_SECONDS, play
 
     try:
         completed = run_or_exit("demo", play(settings, click.echo))
@@ -195,7 +195,7 @@ def dead_group() -> None:
 def dead_list(limit: int) -> None:
     """What is in intermission.dead, and why; nothing is taken out."""
     settings = load_settings()
-    from fleet.ops import list_dead
+    from intermission.ops.dead import list_dead
 
     async def run() -> None:
         connection = await connect(settings.amqp_url, "intermission-cli")
@@ -219,7 +219,7 @@ def dead_replay(message_ids: tuple[str, ...], codes: tuple[str, ...], everything
     if not (message_ids or codes or everything):
         raise click.UsageError("say which: --message-id, --code or --all")
     settings = load_settings()
-    from fleet.ops import DeadLetter, replay_dead
+    from intermission.ops.dead import DeadLetter, replay_dead
 
     def wanted(letter: DeadLetter) -> bool:
         return everything or letter.message_id in message_ids or letter.code in codes

@@ -20,8 +20,8 @@ from decimal import Decimal, InvalidOperation
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from schemas.scope import Scope
-from store.db import Database
+from intermission.schemas.scope import Scope
+from intermission.store.db import Database
 
 MAX_SLEEP_SECONDS = 60.0
 

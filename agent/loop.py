@@ -24,15 +24,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleet import faults
-from fleet.executor import RunContext
-from fleet.model import ModelClient, ModelRequest, ScriptedModel, ToolSpec
-from fleet.tools import Tool, ToolEnv, ToolFailed, ToolKind, ToolRegistry, demo_tools
-from schemas.config import ExecutionProvenance
-from schemas.errors import InvalidContinuation, MaxStepsReached
-from schemas.llm import Message, Role, ToolCall, ToolOutcome
-from schemas.names import RunEventKind
-from schemas.suspension import (
+from intermission.agent.executor import RunContext
+from intermission.agent.model import ModelClient, ModelRequest, ScriptedModel, ToolSpec
+from intermission.agent.tools import Tool, ToolEnv, ToolFailed, ToolKind, ToolRegistry, demo_tools
+from intermission.fleet import points
+from intermission.schemas.config import ExecutionProvenance
+from intermission.schemas.errors import InvalidContinuation, MaxStepsReached
+from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.suspension import (
     Continuation,
     Ending,
     EndingKind,
@@ -41,7 +41,7 @@ from schemas.suspension import (
     ProgressResult,
     SuspendReason,
 )
-from store.runs import Pause
+from intermission.store.runs import Pause
 
 SYSTEM_PROMPT = "You are the Intermission demo agent. Use the tools you are given; answer briefly."
 
@@ -238,7 +238,7 @@ class AgentLoop:
         self._close_turn(step, open_calls)
         if not already_durable:
             await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
-        faults.crash_point(faults.BETWEEN_STEPS)
+        points.reach(points.BETWEEN_STEPS)
         await ctx.boundary()
 
     async def _dispatch(self, ctx: RunContext, step: _Step, call: ToolCall, tool: Tool) -> None:
@@ -253,7 +253,7 @@ class AgentLoop:
         except ToolFailed as exc:
             result = ProgressResult(call_id=call.id, error=str(exc), outcome=ToolOutcome.FAILED)
         if not tool.retry_safe:
-            faults.crash_point(faults.AFTER_STARTED)
+            points.reach(points.AFTER_STARTED)
             step.started = [c for c in step.started if c.id != call.id]
         await self._record(ctx, step, result)
 
@@ -295,7 +295,7 @@ class AgentLoop:
                 messages.append(_tool_message(call, answered[call.id]))
         cont = step.cont.model_copy(update={"messages": messages})
         await ctx.pause(Pause(reason=reason, pending=pending, continuation=cont, approvers=approvers))
-        faults.crash_point(faults.AFTER_PAUSE)
+        points.reach(points.AFTER_PAUSE)
         raise _Stop
 
     def _close_turn(self, step: _Step, open_calls: list[ToolCall]) -> None:

@@ -15,11 +15,11 @@ from typing import Any
 
 import asyncpg
 
-from schemas.run import Lease
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion, LeasedClaim, Progress, ProgressResult
-from store import Stores
-from tests.factories import PausedRun, continuation, lease
+from intermission.schemas.run import Lease
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion, LeasedClaim, Progress, ProgressResult
+from intermission.store import Stores
+from tests.support.factories import PausedRun, continuation, lease
 
 # Far enough ahead that LEAST(expired_by, now()) is the database clock: "expired as of now".
 FAR_FUTURE = datetime(9999, 1, 1, tzinfo=UTC)

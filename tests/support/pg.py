@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from store.migrate import migrate
+from intermission.store.migrate import migrate
 
 _NAME = re.compile(r"^[a-z0-9_]{1,63}$")
 

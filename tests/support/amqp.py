@@ -11,8 +11,8 @@ The management HTTP API would be faster still, but the plugin is not enabled on 
 
 The broker is ``INTERMISSION_TEST_AMQP_URL`` (default ``amqp://guest:guest@127.0.0.1:5672/``) and is
 administered with ``INTERMISSION_TEST_RABBITMQCTL`` (default ``rabbitmqctl``, which must reach the same
-node). Use the fixtures by importing them (``from tests.amqp import amqp_url  # noqa: F401``) or by
-listing ``tests.amqp`` in ``pytest_plugins``.
+node). Use the fixtures by importing them (``from tests.support.amqp import amqp_url  # noqa: F401``) or by
+listing ``tests.support.amqp`` in ``pytest_plugins``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ import pytest
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from yarl import URL
 
-from bench.rabbitctl import (
+from intermission.fleet.topology import declare
+from intermission.publishers.amqp import connect
+from tests.support.rabbitctl import (
     BrokerBroken,
     delete_vhosts,
     full_rights,
@@ -48,10 +50,8 @@ from bench.rabbitctl import (
     user_definition,
     write_definitions,
 )
-from fleet.topology import declare
-from publishers.amqp import connect
 
-log = logging.getLogger("tests.amqp")
+log = logging.getLogger("tests.support.amqp")
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
 VHOST_PREFIX = "intermission-test"

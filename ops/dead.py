@@ -17,8 +17,8 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 
-from consumers.rejection import DETAIL_HEADER, ORIGINAL_KEY_HEADER
-from schemas.names import COMMANDS_EXCHANGE, DEAD_QUEUE, ERROR_HEADER, Command
+from intermission.consumers.rejection import DETAIL_HEADER, ORIGINAL_KEY_HEADER
+from intermission.schemas.names import COMMANDS_EXCHANGE, DEAD_QUEUE, ERROR_HEADER, Command
 
 # The refusal's headers, and the broker's dead-lettering history: a replayed command starts afresh.
 _DROPPED_HEADER_PREFIXES = (

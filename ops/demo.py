@@ -19,16 +19,16 @@ from collections.abc import Callable
 
 from yarl import URL
 
-from fleet.settings import Settings
-from fleet.worker import running_worker
-from publishers.clients import BusClient, HostClient, version_of
-from schemas.commands import DecideCommand, Decision, ResumeCommand, StartCommand, ToolAnswer
-from schemas.events import CommandRejected, RunEvent
-from schemas.names import RunEventKind
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
-from schemas.suspension import Notice, SuspendReason
-from store.migrate import ensure_database, migrate
+from intermission.fleet.settings import Settings
+from intermission.fleet.worker import running_worker
+from intermission.publishers.clients import BusClient, HostClient, version_of
+from intermission.schemas.commands import DecideCommand, Decision, ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.events import CommandRejected, RunEvent
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.schemas.suspension import Notice, SuspendReason
+from intermission.store.migrate import ensure_database, migrate
 
 SCOPE = Scope(app="demo", tenant="local")
 TIMEOUT_SECONDS = 60.0

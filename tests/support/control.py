@@ -4,10 +4,17 @@ this process's fleet. Tests, the demo and one-shot tools use it; production comm
 
 from __future__ import annotations
 
-from fleet import faults
-from fleet.runtime import Fleet
-from schemas.commands import CancelCommand, DecideCommand, ExpireCommand, ReplyCommand, ResumeCommand, StartCommand
-from store.commands import Claimed, RunDefaults
+from intermission.fleet import points
+from intermission.fleet.runtime import Fleet
+from intermission.schemas.commands import (
+    CancelCommand,
+    DecideCommand,
+    ExpireCommand,
+    ReplyCommand,
+    ResumeCommand,
+    StartCommand,
+)
+from intermission.store.commands import Claimed, RunDefaults
 
 
 class LocalControl:
@@ -23,7 +30,7 @@ class LocalControl:
     def _hand_over(self, claimed: Claimed | None) -> Claimed | None:
         if claimed is None:
             return None
-        faults.crash_point(faults.AFTER_CLAIM)
+        points.reach(points.AFTER_CLAIM)
         self.fleet.submit(claimed)
         return claimed
 

@@ -13,15 +13,15 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
-from schemas.errors import RunLeaseLost
-from schemas.events import RunEvent
-from schemas.llm import Message
-from schemas.names import RunEventKind
-from schemas.run import Lease, Run
-from schemas.scope import Scope
-from schemas.suspension import Continuation, Progress, ProgressResult
-from store import Stores
-from store.runs import Pause, Paused
+from intermission.schemas.errors import RunLeaseLost
+from intermission.schemas.events import RunEvent
+from intermission.schemas.llm import Message
+from intermission.schemas.names import RunEventKind
+from intermission.schemas.run import Lease, Run
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import Continuation, Progress, ProgressResult
+from intermission.store import Stores
+from intermission.store.runs import Pause, Paused
 
 
 class StopAtBoundary(Exception):

@@ -9,15 +9,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.agent import default_executor
-from fleet.control import LocalControl
-from fleet.runtime import Fleet
-from fleet.settings import Settings
-from schemas.commands import StartCommand
-from schemas.run import Run
-from schemas.scope import Scope
-from schemas.script import ScriptTurn
-from store import Stores
+from intermission.agent.loop import default_executor
+from intermission.fleet.runtime import Fleet
+from intermission.fleet.settings import Settings
+from intermission.schemas.commands import StartCommand
+from intermission.schemas.run import Run
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.store import Stores
+from tests.support.control import LocalControl
 
 DRAIN_TIMEOUT = 30.0
 

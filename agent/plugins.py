@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fleet.executor import Executor
-from schemas.errors import IntermissionError
+from intermission.agent.executor import Executor
+from intermission.schemas.errors import IntermissionError
 
 
 class ExecutorSettingError(IntermissionError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from schemas.names import Command
+from intermission.schemas.names import Command
 
 
 class WorkerMetrics:

@@ -11,13 +11,13 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
-from schemas.resume import ResumeAdmissionRequest, ResumeClosureRequest, ResumeStart
-from schemas.run import Lease
-from schemas.scope import Scope
-from schemas.suspension import ClaimVersion, PendingCall, Progress, SuspendReason
-from store import Stores
-from store.resume import ResumeStore
-from tests.factories import PausedRun, continuation, paused_run
+from intermission.schemas.resume import ResumeAdmissionRequest, ResumeClosureRequest, ResumeStart
+from intermission.schemas.run import Lease
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion, PendingCall, Progress, SuspendReason
+from intermission.store import Stores
+from intermission.store.resume import ResumeStore
+from tests.support.factories import PausedRun, continuation, paused_run
 
 # Every table a resume write may touch; "nothing written" means none of these changed.
 WATCHED_TABLES = (

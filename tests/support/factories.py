@@ -5,13 +5,13 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from schemas.config import RunConfig
-from schemas.llm import Message, Role
-from schemas.run import Lease, NewRun, Run
-from schemas.scope import Scope
-from schemas.suspension import Continuation, PendingCall, SuspendReason, Suspension
-from store import Stores
-from store.runs import Pause
+from intermission.schemas.config import RunConfig
+from intermission.schemas.llm import Message, Role
+from intermission.schemas.run import Lease, NewRun, Run
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import Continuation, PendingCall, SuspendReason, Suspension
+from intermission.store import Stores
+from intermission.store.runs import Pause
 
 LEASE_TTL = 30.0
 

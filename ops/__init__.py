@@ -1,0 +1,1 @@
+"""Operations: the ``intermission`` command, the demo, metrics and the dead-letter tools."""
