@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from intermission.schemas.errors import RunLeaseLost
-from intermission.schemas.events import RunEvent
+from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.llm import Message
-from intermission.schemas.names import RunEventKind
 from intermission.schemas.run import Lease, Run
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, Progress, ProgressResult

@@ -30,8 +30,8 @@ from intermission.agent.tools import Tool, ToolEnv, ToolFailed, ToolKind, ToolRe
 from intermission.fleet import points
 from intermission.schemas.config import ExecutionProvenance
 from intermission.schemas.errors import InvalidContinuation, MaxStepsReached
+from intermission.schemas.events import RunEventKind
 from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome
-from intermission.schemas.names import RunEventKind
 from intermission.schemas.suspension import (
     Continuation,
     Ending,

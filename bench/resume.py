@@ -101,15 +101,15 @@ from bench.infra import (
     write_results,
 )
 from intermission.fleet.settings import Settings
-from intermission.fleet.topology import declare
-from intermission.publishers.amqp import ConfirmingPublisher, json_message
+from intermission.publishers.amqp import ConfirmingPublisher
 from intermission.publishers.clients import ALL_KINDS, HostClient, Subscription, host_bindings, version_of
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
-from intermission.schemas.events import CommandRejected, RunEvent
-from intermission.schemas.names import RunEventKind, run_event_key
+from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import ClaimVersion, Notice, SuspendReason
+from intermission.wire import declare, run_event_key
+from intermission.wire import message as json_message
 
 SCOPE = Scope(app="bench", tenant="resume")
 WARMUP = 5

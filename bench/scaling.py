@@ -76,7 +76,6 @@ from bench.resume import declare_topology
 from intermission.schemas.commands import ResumeCommand, ToolAnswer
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.llm import Message, Role, ToolCall, Usage
-from intermission.schemas.names import COMMAND_QUEUES, Command
 from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
@@ -84,6 +83,7 @@ from intermission.schemas.suspension import ClaimVersion, Continuation, LeasedCl
 from intermission.store import Stores
 from intermission.store.inbox import Receipt
 from intermission.store.rows import PENDING, SCRIPT
+from intermission.wire import COMMAND_QUEUES, Command
 
 APP = "bench"
 TENANTS = 16

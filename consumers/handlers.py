@@ -22,11 +22,11 @@ from intermission.schemas.commands import (
     StartCommand,
 )
 from intermission.schemas.errors import Forbidden, NotSuspended, RunConflict
-from intermission.schemas.names import Command
 from intermission.schemas.run import Lease
 from intermission.store import Stores
 from intermission.store.commands import Claimed, RunDefaults
 from intermission.store.inbox import Receipt
+from intermission.wire import Command
 
 
 @dataclass(frozen=True)

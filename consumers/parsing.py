@@ -23,7 +23,7 @@ from intermission.schemas.commands import (
     StartCommand,
 )
 from intermission.schemas.errors import InvalidMessage, InvalidScope, UnsupportedSchemaVersion
-from intermission.schemas.names import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
+from intermission.wire import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
 
 C = TypeVar("C", bound=BaseModel)
 

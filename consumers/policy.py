@@ -30,9 +30,9 @@ from intermission.consumers.handlers import CommandHandlers, StaleExpiry
 from intermission.consumers.parsing import Delivery, check_envelope
 from intermission.consumers.rejection import Rejecter
 from intermission.schemas.errors import PermanentError, TransientError
-from intermission.schemas.names import Command
 from intermission.store.commands import Claimed
 from intermission.store.inbox import AlreadyApplied
+from intermission.wire import Command
 
 log = logging.getLogger("intermission.consumers")
 

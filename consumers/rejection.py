@@ -7,18 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aio_pika
 from aio_pika.abc import AbstractExchange
 from pydantic import ValidationError
 
 from intermission.consumers.parsing import Delivery, scope_hint
 from intermission.schemas.errors import IntermissionError
 from intermission.schemas.events import CommandRejected
-from intermission.schemas.names import ERROR_HEADER, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, rejected_key
 from intermission.schemas.scope import Scope
-
-DETAIL_HEADER = "x-intermission-detail"
-ORIGINAL_KEY_HEADER = "x-intermission-routing-key"
+from intermission.wire import dead_copy, rejected_key, rejection_message
 
 
 def _scope(delivery: Delivery) -> Scope | None:
@@ -58,32 +54,17 @@ class Rejecter:
             scope=scope,
             run_id=_run_id(delivery),
         )
-        event = aio_pika.Message(
-            rejection.model_dump_json().encode(),
-            content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            # Stable per refused message, so a refusal repeated after a redelivery deduplicates.
-            message_id=f"rejected:{delivery.message_id}" if delivery.message_id else None,
-            correlation_id=delivery.message_id,
-            type=rejected_key(scope),
-            headers={SCHEMA_VERSION_HEADER: SCHEMA_VERSION},
-        )
-        copy = aio_pika.Message(
+        copy = dead_copy(
             delivery.body,
-            content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            delivery.headers,
             message_id=delivery.message_id,
             correlation_id=delivery.correlation_id,
-            type=delivery.routing_key,
-            headers={
-                **{k: v for k, v in delivery.headers.items() if isinstance(k, str)},
-                ERROR_HEADER: error.code,
-                DETAIL_HEADER: error.detail[:1000],
-                ORIGINAL_KEY_HEADER: delivery.routing_key,
-            },
+            routing_key=delivery.routing_key,
+            code=error.code,
+            detail=error.detail,
         )
         await asyncio.gather(
-            self.events.publish(event, routing_key=rejected_key(scope)),
+            self.events.publish(rejection_message(rejection), routing_key=rejected_key(scope)),
             self.dead.publish(copy, routing_key=delivery.routing_key),
         )
         return rejection

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from intermission.consumers.policy import AckPolicy
-from intermission.schemas.names import Command
+from intermission.wire import Command
 
 log = logging.getLogger("intermission.consumers")
 

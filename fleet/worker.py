@@ -29,13 +29,13 @@ from intermission.fleet import points
 from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.signals import stop_on_signals
-from intermission.fleet.topology import Topology, declare
 from intermission.ops.metrics import WorkerMetrics
 from intermission.publishers.amqp import connect
 from intermission.publishers.relay import OutboxRelay
 from intermission.publishers.sweeper import ExpirySweeper
 from intermission.store import Stores
 from intermission.store.commands import Claimed, RunDefaults
+from intermission.wire import Topology, declare
 
 log = logging.getLogger("intermission.worker")
 

@@ -14,20 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aio_pika
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 
-from intermission.consumers.rejection import DETAIL_HEADER, ORIGINAL_KEY_HEADER
-from intermission.schemas.names import COMMANDS_EXCHANGE, DEAD_QUEUE, ERROR_HEADER, Command
-
-# The refusal's headers, and the broker's dead-lettering history: a replayed command starts afresh.
-_DROPPED_HEADER_PREFIXES = (
-    ERROR_HEADER,
+from intermission.wire import (
+    COMMANDS_EXCHANGE,
+    DEAD_QUEUE,
     DETAIL_HEADER,
+    ERROR_HEADER,
     ORIGINAL_KEY_HEADER,
-    "x-death",
-    "x-first-death",
-    "x-last-death",
+    Command,
+    replayed_command,
 )
 
 
@@ -107,17 +103,15 @@ async def replay_dead(
             letter = describe(message)
             if letter.routing_key not in commands or not wanted(letter):
                 continue
-            headers = {k: v for k, v in (message.headers or {}).items() if not k.startswith(_DROPPED_HEADER_PREFIXES)}
             await exchange.publish(
-                aio_pika.Message(
+                replayed_command(
                     message.body,
-                    content_type=message.content_type,
-                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    message.headers or {},
                     message_id=message.message_id,
                     correlation_id=message.correlation_id,
-                    type=letter.routing_key,
-                    headers=headers,
+                    routing_key=letter.routing_key,
                     user_id=message.user_id if message.user_id == _connection_user(connection) else None,
+                    content_type=message.content_type,
                 ),
                 routing_key=letter.routing_key,
             )

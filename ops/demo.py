@@ -23,8 +23,7 @@ from intermission.fleet.settings import Settings
 from intermission.fleet.worker import running_worker
 from intermission.publishers.clients import BusClient, HostClient, version_of
 from intermission.schemas.commands import DecideCommand, Decision, ResumeCommand, StartCommand, ToolAnswer
-from intermission.schemas.events import CommandRejected, RunEvent
-from intermission.schemas.names import RunEventKind
+from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import Notice, SuspendReason

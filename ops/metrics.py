@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from intermission.schemas.names import Command
+from intermission.wire import Command
 
 
 class WorkerMetrics:

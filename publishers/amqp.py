@@ -1,8 +1,5 @@
-"""What every publisher shares: the connection, the message contract and confirmed publishing.
-
-Every message Intermission publishes follows DESIGN.md section 5: ``content_type=application/json``,
-persistent, a ``message_id``, ``type`` = its routing key, header ``x-schema-version``, the causing command's
-id as ``correlation_id`` and a W3C ``traceparent`` header passed through untouched.
+"""What every publisher shares: the connection and confirmed publishing. The messages themselves are
+built by ``intermission.wire``, the contract's one module.
 
 Publishing always waits for the broker's publisher confirm. A batch is published concurrently on one
 channel and its confirms are awaited together: waiting for each confirm before sending the next message
@@ -14,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -25,12 +22,8 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from yarl import URL
 
 from intermission.schemas.errors import TransientError
-from intermission.schemas.names import SCHEMA_VERSION, SCHEMA_VERSION_HEADER
 
 log = logging.getLogger("intermission.publishers")
-
-JSON: Final = "application/json"
-TRACEPARENT_HEADER: Final = "traceparent"
 
 # Errors a later attempt may cure: the connection or channel went away, the broker refused or did not
 # confirm in time. Named one by one (aio-pika's CONNECTION_EXCEPTIONS also holds RuntimeError, which would
@@ -43,8 +36,6 @@ TRANSIENT_AMQP_ERRORS: Final[tuple[type[BaseException], ...]] = (
     OSError,
     TimeoutError,
 )
-
-HeaderValue = str | int | bool | float
 
 
 class PublishFailed(TransientError):
@@ -101,35 +92,6 @@ async def connect(url: str, name: str, *, reconnect_interval: float = 5.0) -> Ab
     log.info("connecting", extra={"action": "amqp_connect", "url": safe_url(url), "connection_name": name})
     return await aio_pika.connect_robust(
         url, client_properties={"connection_name": name}, reconnect_interval=reconnect_interval
-    )
-
-
-def json_message(
-    body: bytes | str,
-    *,
-    message_id: str,
-    routing_key: str,
-    correlation_id: str | None = None,
-    headers: Mapping[str, HeaderValue] | None = None,
-    traceparent: str | None = None,
-    user_id: str | None = None,
-) -> aio_pika.Message:
-    """A message with the contract's properties. ``headers`` are copied as given (an outbox row's headers
-    already carry the schema version and perhaps a traceparent); the schema version is added if absent."""
-    all_headers: dict[str, HeaderValue] = {SCHEMA_VERSION_HEADER: SCHEMA_VERSION}
-    if headers:
-        all_headers.update(headers)
-    if traceparent:
-        all_headers[TRACEPARENT_HEADER] = traceparent
-    return aio_pika.Message(
-        body.encode() if isinstance(body, str) else body,
-        content_type=JSON,
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-        message_id=message_id,
-        type=routing_key,
-        correlation_id=correlation_id,
-        headers=dict(all_headers),
-        user_id=user_id,
     )
 
 

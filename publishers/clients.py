@@ -55,21 +55,21 @@ from aio_pika.abc import (
 from pydantic import BaseModel, ValidationError
 from yarl import URL
 
-from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher, connect, json_message
+from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher, connect
 from intermission.schemas.commands import CancelCommand, DecideCommand, ReplyCommand, ResumeCommand, StartCommand
-from intermission.schemas.events import CommandRejected, RunEvent
-from intermission.schemas.names import (
+from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
+from intermission.schemas.scope import Scope, require_scope
+from intermission.schemas.suspension import ClaimVersion, Notice, SuspendReason
+from intermission.wire import (
     COMMANDS_EXCHANGE,
     EVENTS_EXCHANGE,
     Command,
-    RunEventKind,
+    command_message,
     notice_binding,
     notice_key,
     rejected_key,
     run_event_key,
 )
-from intermission.schemas.scope import Scope, require_scope
-from intermission.schemas.suspension import ClaimVersion, Notice, SuspendReason
 
 log = logging.getLogger("intermission.clients")
 
@@ -281,10 +281,10 @@ class _CommandClient:
         broker's error chained) when the broker did not take it."""
         chosen = message_id or str(uuid.uuid4())
         await self._publisher.publish(
-            json_message(
-                body.model_dump_json(),
+            command_message(
+                command,
+                body,
                 message_id=chosen,
-                routing_key=command.value,
                 correlation_id=correlation_id,
                 traceparent=traceparent,
                 user_id=self.user_id,

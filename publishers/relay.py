@@ -36,10 +36,10 @@ import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from tenacity import RetryCallState
 
-from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, Outgoing, PublishFailed, json_message, retrying
-from intermission.schemas.names import EVENTS_EXCHANGE
+from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, Outgoing, PublishFailed, retrying
 from intermission.store.db import Database
 from intermission.store.relay import OutboxListener, OutboxRow, OutboxStore
+from intermission.wire import EVENTS_EXCHANGE, message
 
 log = logging.getLogger("intermission.relay")
 
@@ -47,7 +47,7 @@ log = logging.getLogger("intermission.relay")
 def outbox_message(row: OutboxRow) -> aio_pika.Message:
     """The row as published: its stored id, key, body, correlation id and headers (schema version,
     traceparent), unchanged, so a re-publication is the same message."""
-    return json_message(
+    return message(
         row.body,
         message_id=row.message_id,
         routing_key=row.routing_key,

@@ -45,19 +45,11 @@ import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from tenacity import RetryCallState
 
-from intermission.publishers.amqp import (
-    RETRYABLE,
-    ConfirmingPublisher,
-    Outgoing,
-    PublishFailed,
-    json_message,
-    retrying,
-    wait_or_stop,
-)
+from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, Outgoing, PublishFailed, retrying, wait_or_stop
 from intermission.schemas.commands import ExpireCommand
-from intermission.schemas.names import COMMANDS_EXCHANGE, Command
 from intermission.store.db import Database
 from intermission.store.relay import ExpiredPause, ExpirySweepStore
+from intermission.wire import COMMANDS_EXCHANGE, Command, command_message
 
 log = logging.getLogger("intermission.sweeper")
 
@@ -103,11 +95,7 @@ def expire_command(pause: ExpiredPause) -> ExpireCommand:
 
 
 def expire_message(pause: ExpiredPause) -> aio_pika.Message:
-    return json_message(
-        expire_command(pause).model_dump_json(),
-        message_id=expire_message_id(pause),
-        routing_key=Command.EXPIRE.value,
-    )
+    return command_message(Command.EXPIRE, expire_command(pause), message_id=expire_message_id(pause))
 
 
 class _Recent:

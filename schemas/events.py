@@ -1,12 +1,24 @@
-"""Event bodies published on ``intermission.events`` (DESIGN.md section 5)."""
+"""Event bodies published on ``intermission.events`` (``docs/contracts.md``)."""
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from intermission.schemas.base import Model
 from intermission.schemas.ids import RunId
-from intermission.schemas.names import RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Notice
+
+
+class RunEventKind(StrEnum):
+    """The ``run.<kind>`` events a run's changes publish."""
+
+    RESUMED = "resumed"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
 
 # A notice event's body is the Notice itself: it already carries run_id and run_revision.
 NoticeEvent = Notice

@@ -41,8 +41,7 @@ from intermission.schemas.errors import (
     ResumeAdmissionNotFound,
     RunConflict,
 )
-from intermission.schemas.events import RunEvent
-from intermission.schemas.names import RunEventKind
+from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.resume import ResumeAdmissionRequest
 from intermission.schemas.run import Lease, NewRun, Run, RunState
 from intermission.schemas.scope import Scope, require_scope

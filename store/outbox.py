@@ -11,9 +11,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from intermission.schemas.events import RunEvent
-from intermission.schemas.names import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, notice_key, run_event_key
 from intermission.schemas.suspension import Notice
 from intermission.store.db import Conn
+from intermission.wire import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, notice_key, run_event_key
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import asyncpg
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion
 from intermission.store.db import Conn, Database, is_transient
+from intermission.wire import HeaderValue
 
 log = logging.getLogger("intermission.store.relay")
 
@@ -32,8 +33,6 @@ OUTBOX_CHANNEL: Final = "intermission_outbox"
 
 # The keyset cursor's start: before every deadline the database can hold.
 _BEFORE_EVERY_DEADLINE: Final = datetime(1, 1, 1, tzinfo=UTC)
-
-HeaderValue = str | int | bool | float
 
 
 @dataclass(frozen=True)

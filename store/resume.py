@@ -43,9 +43,8 @@ from intermission.schemas.errors import (
     RunLeaseLost,
     SuspensionExpired,
 )
-from intermission.schemas.events import RunEvent
+from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.ids import RUN_ID_PATTERN
-from intermission.schemas.names import RunEventKind
 from intermission.schemas.resume import (
     DIGEST_PATTERN,
     RESUME_SCHEMA_VERSION,

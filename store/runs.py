@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 from intermission.schemas.digest import digest
 from intermission.schemas.errors import InvalidArgument, RunExists, RunLeaseLost, RunNotFound, RunNotReclaimable
-from intermission.schemas.events import RunEvent
+from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.llm import Message
-from intermission.schemas.names import RunEventKind
 from intermission.schemas.run import Lease, NewRun, Run, RunState
 from intermission.schemas.scope import Scope, require_scope
 from intermission.schemas.suspension import Continuation, Notice, PendingCall, Progress, SuspendReason, Suspension

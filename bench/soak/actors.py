@@ -45,11 +45,11 @@ from intermission.schemas.commands import (
     StartCommand,
     ToolAnswer,
 )
-from intermission.schemas.events import RunEvent
-from intermission.schemas.names import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command, RunEventKind
+from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, Notice, SuspendReason
+from intermission.wire import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
 
 log = logging.getLogger("soak.actors")
 

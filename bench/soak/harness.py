@@ -28,10 +28,9 @@ from bench.soak.profile import Profile
 from bench.soak.report import Report
 from bench.soak.scripts import choose
 from bench.soak.servers import ServerFaults, find_pg_cluster, restore_after_crash
-from intermission.fleet.topology import declare
 from intermission.publishers.amqp import safe_url
-from intermission.schemas.names import COMMAND_QUEUES
 from intermission.schemas.scope import Scope
+from intermission.wire import COMMAND_QUEUES, declare
 
 log = logging.getLogger("soak")
 

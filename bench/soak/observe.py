@@ -18,7 +18,7 @@ from typing import Any
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, AbstractRobustConnection
 
 from intermission.publishers.amqp import connect
-from intermission.schemas.names import DEAD_QUEUE, ERROR_HEADER, EVENTS_EXCHANGE
+from intermission.wire import DEAD_QUEUE, ERROR_HEADER, EVENTS_EXCHANGE
 
 CAPTURE_QUEUE = "soak.capture"
 ORIGINAL_KEY_HEADER = "x-intermission-routing-key"

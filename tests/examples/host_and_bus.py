@@ -7,8 +7,7 @@ import json
 
 from intermission.publishers.clients import BusClient, HostClient, version_of
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
-from intermission.schemas.events import RunEvent
-from intermission.schemas.names import RunEventKind
+from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import Notice, SuspendReason

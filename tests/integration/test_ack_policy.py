@@ -18,12 +18,11 @@ from intermission.consumers.parsing import Delivery
 from intermission.consumers.policy import AckPolicy
 from intermission.consumers.rejection import Rejecter
 from intermission.consumers.service import CommandConsumers
-from intermission.fleet.topology import declare
 from intermission.schemas.errors import StoreUnavailable
-from intermission.schemas.names import COMMANDS_EXCHANGE, DEAD_EXCHANGE, SCHEMA_VERSION_HEADER, Command
 from intermission.schemas.run import Lease
 from intermission.store import Stores
 from intermission.store.commands import Claimed, RunDefaults
+from intermission.wire import COMMANDS_EXCHANGE, DEAD_EXCHANGE, SCHEMA_VERSION_HEADER, Command, declare
 from tests.support.amqp import DELIVERY_LIMIT, CaptureFactory, ConnectionFactory
 from tests.support.waiting import eventually
 

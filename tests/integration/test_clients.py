@@ -14,7 +14,7 @@ import aiormq
 import asyncpg
 import pytest
 
-from intermission.publishers.amqp import TRACEPARENT_HEADER, PublishFailed
+from intermission.publishers.amqp import PublishFailed
 from intermission.publishers.clients import BusClient, EventKind, HostClient, Received, Subscription, version_of
 from intermission.publishers.relay import OutboxRelay
 from intermission.schemas.commands import (
@@ -25,18 +25,18 @@ from intermission.schemas.commands import (
     StartCommand,
     ToolAnswer,
 )
-from intermission.schemas.events import CommandRejected, RunEvent
-from intermission.schemas.names import (
-    COMMANDS_EXCHANGE,
-    SCHEMA_VERSION,
-    SCHEMA_VERSION_HEADER,
-    Command,
-    RunEventKind,
-    rejected_key,
-)
+from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Notice, SuspendReason
 from intermission.store import Stores, outbox
+from intermission.wire import (
+    COMMANDS_EXCHANGE,
+    SCHEMA_VERSION,
+    SCHEMA_VERSION_HEADER,
+    TRACEPARENT_HEADER,
+    Command,
+    rejected_key,
+)
 from tests.support.factories import paused_run, running_run
 
 if TYPE_CHECKING:

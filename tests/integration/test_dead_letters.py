@@ -15,12 +15,12 @@ from intermission.fleet.worker import Worker, running_worker
 from intermission.ops.dead import list_dead, replay_dead
 from intermission.publishers.clients import HostClient, version_of
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
-from intermission.schemas.names import DEAD_EXCHANGE, ERROR_HEADER, SCHEMA_VERSION_HEADER, Command
 from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import Notice
 from intermission.store import Stores
+from intermission.wire import DEAD_EXCHANGE, ERROR_HEADER, SCHEMA_VERSION_HEADER, Command
 from tests.support.amqp import DELIVERY_LIMIT, Broker, ConnectionFactory, Vhost
 from tests.support.fleet import fast_settings
 from tests.support.waiting import eventually

@@ -11,7 +11,7 @@ import pytest
 from intermission.agent.executor import RunContext
 from intermission.fleet.lease import LeaseKeeper
 from intermission.schemas.errors import RunLeaseLost
-from intermission.schemas.names import RunEventKind
+from intermission.schemas.events import RunEventKind
 from intermission.schemas.run import Lease, RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import PendingCall, Progress, SuspendReason

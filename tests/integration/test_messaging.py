@@ -18,21 +18,20 @@ from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker, running_worker
 from intermission.publishers.clients import BusClient, HostClient, Received, Subscription, version_of
 from intermission.schemas.commands import DecideCommand, Decision, ResumeCommand, StartCommand, ToolAnswer
-from intermission.schemas.events import CommandRejected, RunEvent
-from intermission.schemas.names import (
+from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.schemas.suspension import Notice, SuspendReason
+from intermission.store import Stores
+from intermission.wire import (
     COMMANDS_EXCHANGE,
     DEAD_EXCHANGE,
     ERROR_HEADER,
     EVENTS_EXCHANGE,
     SCHEMA_VERSION_HEADER,
     Command,
-    RunEventKind,
 )
-from intermission.schemas.run import RunState
-from intermission.schemas.scope import Scope
-from intermission.schemas.script import ScriptTurn
-from intermission.schemas.suspension import Notice, SuspendReason
-from intermission.store import Stores
 from tests.support.amqp import DELIVERY_LIMIT, AmqpUser, Broker, CaptureFactory, Vhost
 from tests.support.fleet import fast_settings, outbox_keys
 from tests.support.waiting import eventually

@@ -13,8 +13,8 @@ import pytest
 
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.errors import InvalidContinuation, MessageIdConflict, NotSuspended, RunConflict, RunLeaseLost
+from intermission.schemas.events import RunEventKind
 from intermission.schemas.llm import Message, Role
-from intermission.schemas.names import RunEventKind
 from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
 from intermission.store import Stores

@@ -15,14 +15,14 @@ import aio_pika
 import asyncpg
 import pytest
 
-from intermission.publishers.amqp import TRACEPARENT_HEADER, PublishFailed
+from intermission.publishers.amqp import PublishFailed
 from intermission.publishers.relay import OutboxRelay
-from intermission.schemas.events import RunEvent
-from intermission.schemas.names import EVENTS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, RunEventKind, notice_key
+from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import SuspendReason
 from intermission.store import Stores, outbox
 from intermission.store.db import Database
+from intermission.wire import EVENTS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, TRACEPARENT_HEADER, notice_key
 from tests.conftest import MakeStores, race
 from tests.support.factories import paused_run, running_run
 from tests.support.waiting import eventually

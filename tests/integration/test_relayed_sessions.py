@@ -16,10 +16,10 @@ import asyncpg
 import pytest
 
 from intermission.publishers.relay import OutboxRelay
-from intermission.schemas.events import RunEvent
-from intermission.schemas.names import EVENTS_EXCHANGE, RunEventKind
+from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.store import Stores, outbox
+from intermission.wire import EVENTS_EXCHANGE
 from tests.support.factories import paused_run
 
 if TYPE_CHECKING:

@@ -18,13 +18,13 @@ from intermission.fleet.worker import Worker, running_worker
 from intermission.publishers.clients import BusClient, HostClient, Subscription, version_of
 from intermission.schemas.commands import ReplyCommand
 from intermission.schemas.errors import NotSuspended, RunConflict
-from intermission.schemas.events import RunEvent
-from intermission.schemas.names import DEAD_EXCHANGE, EVENTS_EXCHANGE, RunEventKind
+from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Notice
 from intermission.store import Stores
 from intermission.store.inbox import AlreadyApplied
+from intermission.wire import DEAD_EXCHANGE, EVENTS_EXCHANGE
 from tests.support.amqp import DELIVERY_LIMIT, Broker, Capture, CaptureFactory, Vhost
 from tests.support.fleet import Worker as LocalWorker
 from tests.support.fleet import fast_settings, outbox_keys, start_command, worker

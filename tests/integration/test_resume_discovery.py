@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from intermission.schemas.errors import InvalidArgument, InvalidScope, ResumeAdmissionNotFound
-from intermission.schemas.names import RunEventKind
+from intermission.schemas.events import RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import PendingCall, SuspendReason
 from intermission.store import Stores

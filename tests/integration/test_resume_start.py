@@ -16,7 +16,7 @@ from intermission.schemas.errors import (
     RunLeaseLost,
     SuspensionExpired,
 )
-from intermission.schemas.names import RunEventKind
+from intermission.schemas.events import RunEventKind
 from intermission.schemas.resume import RESUME_SCHEMA_VERSION, ResumeExpiry, ResumeStart
 from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope

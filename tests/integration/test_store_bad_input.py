@@ -24,7 +24,7 @@ from intermission.schemas.errors import (
     RunNotFound,
     StoreUnavailable,
 )
-from intermission.schemas.names import RunEventKind
+from intermission.schemas.events import RunEventKind
 from intermission.schemas.run import Lease, NewRun
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, LeasedClaim, PendingCall, Progress, SuspendReason, Suspension

@@ -21,7 +21,7 @@ from intermission.schemas.errors import (
     RunNotReclaimable,
     SuspensionExpired,
 )
-from intermission.schemas.names import RunEventKind
+from intermission.schemas.events import RunEventKind
 from intermission.schemas.run import Lease, Run
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, PendingCall, SuspendReason, Suspension

@@ -25,7 +25,7 @@ from intermission.schemas.errors import (
     SuspensionExpired,
     TransientError,
 )
-from intermission.schemas.names import RunEventKind
+from intermission.schemas.events import RunEventKind
 from intermission.schemas.run import Lease, RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import (

@@ -16,11 +16,11 @@ import pytest
 
 from intermission.publishers.sweeper import ExpirySweeper
 from intermission.schemas.commands import ExpireCommand
-from intermission.schemas.names import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion
 from intermission.store import Stores
 from intermission.store.db import Database
+from intermission.wire import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
 from tests.conftest import MakeStores, race
 from tests.support.factories import PausedRun, paused_run
 from tests.support.waiting import eventually

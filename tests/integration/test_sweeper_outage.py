@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 import asyncpg
 import pytest
 
-from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher, json_message
+from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher
 from intermission.publishers.sweeper import ExpirySweeper
-from intermission.schemas.names import COMMANDS_EXCHANGE, Command
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
+from intermission.wire import COMMANDS_EXCHANGE, Command
+from intermission.wire import message as json_message
 from tests.support.factories import paused_run
 from tests.support.waiting import eventually
 

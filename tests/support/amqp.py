@@ -38,8 +38,8 @@ import pytest
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from yarl import URL
 
-from intermission.fleet.topology import declare
 from intermission.publishers.amqp import connect
+from intermission.wire import declare
 from tests.support.rabbitctl import (
     BrokerBroken,
     delete_vhosts,

@@ -1,0 +1,274 @@
+"""The RabbitMQ contract, in one module: every exchange, queue, routing key and header, the message
+properties, the builders of every message Intermission sends, and the topology's declaration.
+
+Hosts and the messaging bus are written against this contract (``docs/contracts.md`` describes it for
+them), so every layer takes its names from here and nothing builds a message by hand.
+
+- ``intermission.commands`` (direct) routes each command to its quorum queue; each queue dead-letters to
+  ``intermission.dead`` (fanout, into the quorum queue of that name) at least once, and has a delivery
+  limit, so a command that keeps failing ends there instead of looping forever.
+- ``intermission.events`` (topic) carries notices, run events and refusals to hosts and the bus, under
+  ``notice.<reason>.<app>.<tenant>``, ``run.<kind>.<app>.<tenant>`` and ``command.rejected.<app>.<tenant>``.
+- Every message is ``application/json``, persistent, has a ``message_id``, ``type`` = its routing key, the
+  header ``x-schema-version``, the causing command's id as ``correlation_id`` (events), and a W3C
+  ``traceparent`` header when there is one.
+
+A command refused for a permanent reason is not rejected into the dead-letter exchange: the consumer
+publishes a copy to ``intermission.dead`` itself (``dead_copy``), with the error code in
+``x-intermission-error`` (a broker dead-lettering cannot add a header), and acknowledges the original once
+that copy is confirmed.
+
+Declarations are made on robust objects, so aio-pika replays them after a reconnect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
+from pydantic import BaseModel
+
+from intermission.schemas.events import CommandRejected, RunEventKind
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import SuspendReason
+
+# --- message properties and headers ------------------------------------------------------------------
+
+SCHEMA_VERSION: Final = 1
+JSON: Final = "application/json"
+
+SCHEMA_VERSION_HEADER: Final = "x-schema-version"
+TRACEPARENT_HEADER: Final = "traceparent"
+# On a refused command's dead-lettered copy: the error code, its human detail, and the routing key the
+# command was sent with (the copy is published under it too, but a replay must not depend on that).
+ERROR_HEADER: Final = "x-intermission-error"
+DETAIL_HEADER: Final = "x-intermission-detail"
+ORIGINAL_KEY_HEADER: Final = "x-intermission-routing-key"
+# A dead copy's detail is for people; the header stays well inside what the broker accepts.
+MAX_DETAIL_CHARS: Final = 1000
+
+# What an AMQP header table holds here: scalars only (the schema version, a traceparent, an error code).
+HeaderValue = str | int | bool | float
+
+# --- exchanges, queues, routing keys ------------------------------------------------------------------
+
+COMMANDS_EXCHANGE: Final = "intermission.commands"
+EVENTS_EXCHANGE: Final = "intermission.events"
+DEAD_EXCHANGE: Final = "intermission.dead"
+DEAD_QUEUE: Final = "intermission.dead"
+
+
+class Command(StrEnum):
+    """Command routing keys."""
+
+    START = "run.start"
+    RESUME = "run.resume"
+    DECIDE = "run.decide"
+    REPLY = "run.reply"
+    EXPIRE = "run.expire"
+    CANCEL = "run.cancel"
+
+    @property
+    def queue(self) -> str:
+        return COMMAND_QUEUES[self]
+
+
+COMMAND_QUEUES: Final[dict[Command, str]] = {
+    Command.START: "intermission.start",
+    Command.RESUME: "intermission.resume",
+    Command.DECIDE: "intermission.decide",
+    Command.REPLY: "intermission.reply",
+    Command.EXPIRE: "intermission.expire",
+    Command.CANCEL: "intermission.cancel",
+}
+
+# The scope part of a refusal's key when the command's scope could not be read, so that a subscriber of
+# command.rejected.# still hears it.
+UNREADABLE_SCOPE: Final = "_._"
+
+
+def notice_key(reason: SuspendReason, scope: Scope) -> str:
+    return f"notice.{reason.value}.{scope.routing_suffix()}"
+
+
+def notice_binding(reason: SuspendReason) -> str:
+    """Every scope's notices of one reason, as a topic binding (scope parts hold no dots)."""
+    return f"notice.{reason.value}.*.*"
+
+
+def run_event_key(kind: RunEventKind, scope: Scope) -> str:
+    return f"run.{kind.value}.{scope.routing_suffix()}"
+
+
+def rejected_key(scope: Scope | None) -> str:
+    return f"command.rejected.{scope.routing_suffix() if scope is not None else UNREADABLE_SCOPE}"
+
+
+# --- messages -----------------------------------------------------------------------------------------
+
+
+def message(
+    body: bytes | str,
+    *,
+    message_id: str | None,
+    routing_key: str,
+    correlation_id: str | None = None,
+    headers: Mapping[str, HeaderValue] | None = None,
+    traceparent: str | None = None,
+    user_id: str | None = None,
+) -> aio_pika.Message:
+    """A message with the contract's properties. ``headers`` are copied as given (an outbox row's headers
+    already carry the schema version and perhaps a traceparent); the schema version is added if absent."""
+    all_headers: dict[str, Any] = {SCHEMA_VERSION_HEADER: SCHEMA_VERSION}
+    if headers:
+        all_headers.update(headers)
+    if traceparent:
+        all_headers[TRACEPARENT_HEADER] = traceparent
+    return aio_pika.Message(
+        body.encode() if isinstance(body, str) else body,
+        content_type=JSON,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=message_id,
+        type=routing_key,
+        correlation_id=correlation_id,
+        headers=all_headers,
+        user_id=user_id,
+    )
+
+
+def command_message(
+    command: Command,
+    body: BaseModel,
+    *,
+    message_id: str,
+    correlation_id: str | None = None,
+    traceparent: str | None = None,
+    user_id: str | None = None,
+) -> aio_pika.Message:
+    """A command as hosts, the bus and the sweeper send it. ``user_id`` must be the publishing connection's
+    own user: RabbitMQ refuses any other, which is what lets a worker trust it."""
+    return message(
+        body.model_dump_json(),
+        message_id=message_id,
+        routing_key=command.value,
+        correlation_id=correlation_id,
+        traceparent=traceparent,
+        user_id=user_id,
+    )
+
+
+def rejection_message(rejection: CommandRejected) -> aio_pika.Message:
+    """The ``command.rejected`` event for a refused command. Its id is stable per refused message, so a
+    refusal repeated after a redelivery deduplicates."""
+    refused = rejection.message_id
+    return message(
+        rejection.model_dump_json(),
+        message_id=f"rejected:{refused}" if refused else None,
+        routing_key=rejected_key(rejection.scope),
+        correlation_id=refused or None,
+    )
+
+
+def dead_copy(
+    body: bytes,
+    headers: Mapping[str, Any],
+    *,
+    message_id: str | None,
+    correlation_id: str | None,
+    routing_key: str,
+    code: str,
+    detail: str,
+) -> aio_pika.Message:
+    """A refused command as it is kept in ``intermission.dead``: its body, id and headers unchanged, with
+    the refusal's code, detail and the command's routing key added."""
+    return aio_pika.Message(
+        body,
+        content_type=JSON,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=message_id,
+        correlation_id=correlation_id,
+        type=routing_key,
+        headers={
+            **{k: v for k, v in headers.items() if isinstance(k, str)},
+            ERROR_HEADER: code,
+            DETAIL_HEADER: detail[:MAX_DETAIL_CHARS],
+            ORIGINAL_KEY_HEADER: routing_key,
+        },
+    )
+
+
+# The refusal's headers and the broker's dead-lettering history: a replayed command starts afresh.
+REFUSAL_HEADER_PREFIXES: Final = (
+    ERROR_HEADER,
+    DETAIL_HEADER,
+    ORIGINAL_KEY_HEADER,
+    "x-death",
+    "x-first-death",
+    "x-last-death",
+)
+
+
+def replayed_command(
+    body: bytes,
+    headers: Mapping[str, Any],
+    *,
+    message_id: str | None,
+    correlation_id: str | None,
+    routing_key: str,
+    user_id: str | None,
+    content_type: str | None = JSON,
+) -> aio_pika.Message:
+    """A dead-lettered command sent back to its queue: the same body and id, without the refusal."""
+    return aio_pika.Message(
+        body,
+        content_type=content_type,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=message_id,
+        correlation_id=correlation_id,
+        type=routing_key,
+        headers={k: v for k, v in headers.items() if not k.startswith(REFUSAL_HEADER_PREFIXES)},
+        user_id=user_id,
+    )
+
+
+# --- topology -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Topology:
+    commands: AbstractExchange
+    events: AbstractExchange
+    dead: AbstractExchange
+    dead_queue: AbstractQueue
+    queues: dict[Command, AbstractQueue]
+
+
+def command_queue_arguments(delivery_limit: int) -> dict[str, Any]:
+    return {
+        "x-queue-type": "quorum",
+        "x-dead-letter-exchange": DEAD_EXCHANGE,
+        # At-least-once dead-lettering: a dead-lettered command is never dropped on the way.
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+        "x-delivery-limit": delivery_limit,
+    }
+
+
+async def declare(channel: AbstractChannel, *, delivery_limit: int) -> Topology:
+    """Declare the whole topology, idempotently. Queue arguments are fixed when a queue is first declared:
+    a changed ``delivery_limit`` needs the queues re-created."""
+    commands = await channel.declare_exchange(COMMANDS_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True)
+    events = await channel.declare_exchange(EVENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
+    dead = await channel.declare_exchange(DEAD_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
+    dead_queue = await channel.declare_queue(DEAD_QUEUE, durable=True, arguments={"x-queue-type": "quorum"})
+    await dead_queue.bind(dead)
+    queues: dict[Command, AbstractQueue] = {}
+    for command, name in COMMAND_QUEUES.items():
+        queue = await channel.declare_queue(name, durable=True, arguments=command_queue_arguments(delivery_limit))
+        await queue.bind(commands, routing_key=command.value)
+        queues[command] = queue
+    return Topology(commands=commands, events=events, dead=dead, dead_queue=dead_queue, queues=queues)
