@@ -1,10 +1,12 @@
 """The executor protocol and the run context handed to it.
 
 An executor continues ONE claimed run. Everything it may do to the run goes through its ``RunContext``:
-save progress, pause, complete, fail (and finish an ending). Each of those writes is checked against the
-run's lease by the database; once a write finds the lease gone (or the lease keeper does), the context is
-dead: every later write raises RunLeaseLost without touching the database, and the run's task is
-cancelled. A worker that lost a run writes nothing more for it.
+save progress, pause, complete, fail (and finish an ending), load its session's history, and give a tool
+what a tool may use (``tool_env``). The context holds the store privately, bound to the run's stored
+scope: an executor never sees the database. Each write is checked against the run's lease by the
+database; once a write finds the lease gone (or the lease keeper does), the context is dead: every later
+write raises RunLeaseLost without touching the database, and the run's task is cancelled. A worker that
+lost a run writes nothing more for it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
+from intermission.agent.tools import ToolEnv
 from intermission.schemas.errors import RunLeaseLost
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.llm import Message
@@ -42,6 +45,8 @@ class RunHandle:
 
 
 class RunContext:
+    __slots__ = ("_ledger", "_stopping", "_store", "correlation_id", "handle", "lease", "progress", "run")
+
     def __init__(
         self,
         stores: Stores,
@@ -53,7 +58,9 @@ class RunContext:
         stopping: asyncio.Event,
         handle: RunHandle | None = None,
     ) -> None:
-        self.stores = stores
+        # Every write after the claim uses the run's STORED scope, never the caller's.
+        self._store = stores.at(run.scope)
+        self._ledger = stores.ledger
         self.run = run
         self.progress = progress
         self.lease = lease
@@ -63,7 +70,6 @@ class RunContext:
 
     @property
     def scope(self) -> Scope:
-        # Every write after the claim uses the run's STORED scope, never the caller's.
         return self.run.scope
 
     @property
@@ -88,7 +94,7 @@ class RunContext:
     async def save_progress(self, progress: Progress) -> Progress:
         self._alive()
         try:
-            saved = await self.stores.progress.save_progress(self.scope, progress)
+            saved = await self._store.progress.save_progress(progress)
         except RunLeaseLost:
             self.handle.lost = True
             raise
@@ -103,8 +109,8 @@ class RunContext:
     async def pause(self, pause: Pause) -> Paused:
         self._alive()
         try:
-            paused = await self.stores.runs.pause_run(
-                self.scope, self.run.id, self.owner, pause, correlation_id=self.correlation_id
+            paused = await self._store.runs.pause_run(
+                self.run.id, self.owner, pause, correlation_id=self.correlation_id
             )
         except RunLeaseLost:
             self.handle.lost = True
@@ -122,8 +128,7 @@ class RunContext:
     ) -> RunEvent:
         self._alive()
         try:
-            event = await self.stores.runs.end_run(
-                self.scope,
+            event = await self._store.runs.end_run(
                 self.run.id,
                 self.owner,
                 kind,
@@ -131,8 +136,6 @@ class RunContext:
                 error=error,
                 correlation_id=self.correlation_id,
                 own_messages=own_messages,
-                # The revision this worker holds the run at: lets the store end it in one statement.
-                at_revision=self.run.revision,
             )
         except RunLeaseLost:
             self.handle.lost = True
@@ -147,4 +150,8 @@ class RunContext:
         return await self.end(RunEventKind.FAILED, error=error, own_messages=own_messages)
 
     async def load_history(self, session_id: str) -> list[Message]:
-        return await self.stores.sessions.load(self.scope, session_id)
+        return await self._store.sessions.load(session_id)
+
+    def tool_env(self, call_id: str) -> ToolEnv:
+        """What a tool handler of this run may use for the call ``call_id``."""
+        return ToolEnv(run_id=self.run.id, call_id=call_id, scope=self.scope, ledger=self._ledger)

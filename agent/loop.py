@@ -26,7 +26,7 @@ from typing import Any
 
 from intermission.agent.executor import RunContext
 from intermission.agent.model import ModelClient, ModelRequest, ScriptedModel, ToolSpec
-from intermission.agent.tools import Tool, ToolEnv, ToolFailed, ToolKind, ToolRegistry, demo_tools
+from intermission.agent.tools import Tool, ToolFailed, ToolKind, ToolRegistry, demo_tools
 from intermission.fleet import points
 from intermission.schemas.config import ExecutionProvenance
 from intermission.schemas.errors import InvalidContinuation, MaxStepsReached
@@ -242,7 +242,7 @@ class AgentLoop:
         await ctx.boundary()
 
     async def _dispatch(self, ctx: RunContext, step: _Step, call: ToolCall, tool: Tool) -> None:
-        env = ToolEnv(run_id=ctx.run.id, call_id=call.id, scope=ctx.scope, db=ctx.stores.db)
+        env = ctx.tool_env(call.id)
         if not tool.retry_safe:
             # Written BEFORE the handler gets it: if this worker dies from here on, nobody calls it again.
             step.started.append(PendingCall(id=call.id, name=call.name, arguments=call.arguments))

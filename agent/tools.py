@@ -1,4 +1,4 @@
-"""Tools, and the demo agent's tools (DESIGN.md section 7, "The demo agent").
+"""Tools, and the demo agent's tools (docs/contracts.md, "The demo agent").
 
 A tool declares how it may be run, because that is what decides what a crash may do to it:
 
@@ -18,10 +18,9 @@ import json
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from intermission.schemas.scope import Scope
-from intermission.store.db import Database
 
 MAX_SLEEP_SECONDS = 60.0
 
@@ -37,14 +36,20 @@ class ToolFailed(Exception):
     """A tool's handler failed; the model sees the message as the call's error."""
 
 
+class Ledger(Protocol):
+    """Where the demo's ``charge`` tool books a charge (``store.ledger.DemoLedger``): one row per call."""
+
+    async def charge(self, run_id: str, call_id: str, amount: Decimal) -> int: ...
+
+
 @dataclass(frozen=True)
 class ToolEnv:
-    """What a tool handler may use."""
+    """What a tool handler may use: the call it is running, and the demo ledger. Never the database."""
 
     run_id: str
     call_id: str
     scope: Scope
-    db: Database
+    ledger: Ledger
 
 
 class Tool:
@@ -101,8 +106,7 @@ class Charge(Tool):
             amount = Decimal(str(arguments.get("amount")))
         except (InvalidOperation, ValueError) as exc:
             raise ToolFailed("amount must be a number") from exc
-        async with env.db.connection() as con:
-            receipt = await con.fetchval("insert_demo_charge", env.run_id, env.call_id, amount)
+        receipt = await env.ledger.charge(env.run_id, env.call_id, amount)
         return f"receipt {receipt}: charged {amount}"
 
 

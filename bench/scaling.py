@@ -216,7 +216,7 @@ async def time_claims(
             )
             starts["claim"].append(time.time())
             started = time.perf_counter()
-            await stores.suspensions.claim_suspension_leased(scope, claim)
+            await stores.at(scope).suspensions.claim_suspension_leased(claim)
             timings["claim"].append(time.perf_counter() - started)
         else:
             command = ResumeCommand(

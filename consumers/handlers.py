@@ -1,18 +1,21 @@
 """What each command does, given a delivery that passed the envelope checks.
 
-Every handler runs ONE transaction through the store (inbox record, claim, lease, first progress, outbox
-event) and returns the run it claimed for this worker, or None when there is nothing to run. Authority is
+Each command has a route: the strict model its body must parse as, and the handler that applies it. Every
+handler runs ONE transition through the store (inbox record, claim, lease, first progress, outbox event)
+and returns the run it claimed for this worker, or None when there is nothing to run. Authority is
 re-derived here from what the broker vouches for (the message's validated ``user_id``) and from the stored
 pause, never from the body's word.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, Generic, TypeVar
 
-from intermission.consumers.parsing import COMMAND_MODELS, Delivery, parse_body
+from pydantic import BaseModel
+
+from intermission.consumers.parsing import Delivery, parse_body
 from intermission.schemas.commands import (
     CancelCommand,
     DecideCommand,
@@ -27,6 +30,8 @@ from intermission.store import Stores
 from intermission.store.commands import Claimed, RunDefaults
 from intermission.store.inbox import Receipt
 from intermission.wire import Command
+
+C = TypeVar("C", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -43,42 +48,79 @@ class StaleExpiry(Exception):
     """An expiry that lost to a resume (or to another sweeper): acknowledge it, nothing to do."""
 
 
+@dataclass(frozen=True)
+class Applying:
+    """One delivery on its way through its handler."""
+
+    delivery: Delivery
+    message_id: str
+    receipt: Receipt
+    lease: Lease
+
+
+@dataclass(frozen=True)
+class Route(Generic[C]):
+    """A command's body model and the handler that applies a body of it."""
+
+    model: type[C]
+    handle: Callable[[CommandHandlers, C, Applying], Awaitable[Claimed | None]]
+
+    async def apply(
+        self, handlers: CommandHandlers, command: Command, delivery: Delivery, message_id: str
+    ) -> Claimed | None:
+        body = parse_body(self.model, delivery.body)
+        applying = Applying(delivery, message_id, Receipt.of(message_id, command.value, body), handlers.hooks.lease())
+        return await self.handle(handlers, body, applying)
+
+
 class CommandHandlers:
     def __init__(self, stores: Stores, hooks: WorkerHooks) -> None:
         self.stores = stores
         self.hooks = hooks
 
     async def apply(self, command: Command, delivery: Delivery, message_id: str) -> Claimed | None:
-        cmd = parse_body(COMMAND_MODELS[command], delivery.body)
-        receipt = Receipt.of(message_id, command.value, cmd)
-        commands = self.stores.commands
-        lease = self.hooks.lease()
-        # Events carry the causing command's id as their correlation id.
-        cid = message_id
-        if command is Command.START:
-            return await commands.start(
-                cast("StartCommand", cmd), self.hooks.defaults, lease, receipt=receipt, correlation_id=cid
-            )
-        if command is Command.RESUME:
-            return await commands.resume(cast("ResumeCommand", cmd), lease, receipt=receipt, correlation_id=cid)
-        if command is Command.DECIDE:
-            return await commands.decide(
-                cast("DecideCommand", cmd), lease, principal=delivery.user_id, receipt=receipt, correlation_id=cid
-            )
-        if command is Command.CANCEL:
-            return await commands.cancel(cast("CancelCommand", cmd), lease, receipt=receipt, correlation_id=cid)
-        if command is Command.EXPIRE:
-            try:
-                return await commands.expire(cast("ExpireCommand", cmd), lease, receipt=receipt, correlation_id=cid)
-            except (NotSuspended, RunConflict) as exc:
-                # The pause was answered, cancelled or expired already: the sweeper lost a race it is
-                # expected to lose sometimes. Not a refusal of anybody's request.
-                raise StaleExpiry(exc.detail) from exc
-        return await self.reply(cast("ReplyCommand", cmd), delivery, lease)
+        route: Route[Any] = ROUTES[command]
+        return await route.apply(self, command, delivery, message_id)
 
-    async def reply(self, cmd: ReplyCommand, delivery: Delivery, lease: Lease) -> Claimed | None:
+    # Events carry the causing command's id as their correlation id.
+
+    async def start(self, cmd: StartCommand, a: Applying) -> Claimed | None:
+        return await self.stores.commands.start(
+            cmd, self.hooks.defaults, a.lease, receipt=a.receipt, correlation_id=a.message_id
+        )
+
+    async def resume(self, cmd: ResumeCommand, a: Applying) -> Claimed | None:
+        return await self.stores.commands.resume(cmd, a.lease, receipt=a.receipt, correlation_id=a.message_id)
+
+    async def decide(self, cmd: DecideCommand, a: Applying) -> Claimed | None:
+        return await self.stores.commands.decide(
+            cmd, a.lease, principal=a.delivery.user_id, receipt=a.receipt, correlation_id=a.message_id
+        )
+
+    async def cancel(self, cmd: CancelCommand, a: Applying) -> Claimed | None:
+        return await self.stores.commands.cancel(cmd, a.lease, receipt=a.receipt, correlation_id=a.message_id)
+
+    async def expire(self, cmd: ExpireCommand, a: Applying) -> Claimed | None:
+        try:
+            return await self.stores.commands.expire(cmd, a.lease, receipt=a.receipt, correlation_id=a.message_id)
+        except (NotSuspended, RunConflict) as exc:
+            # The pause was answered, cancelled or expired already: the sweeper lost a race it is
+            # expected to lose sometimes. Not a refusal of anybody's request.
+            raise StaleExpiry(exc.detail) from exc
+
+    async def reply(self, cmd: ReplyCommand, a: Applying) -> Claimed | None:
         # RabbitMQ itself checks that a message's user_id is the user that published it, so a host cannot
         # forge the bus's identity; a message without user_id is nobody's.
-        if not delivery.user_id or delivery.user_id != self.hooks.bus_user:
+        if not a.delivery.user_id or a.delivery.user_id != self.hooks.bus_user:
             raise Forbidden("only the messaging bus may answer an agent_reply pause (user_id is not the bus user)")
-        return await self.stores.commands.reply(cmd, lease, correlation_id=delivery.message_id)
+        return await self.stores.commands.reply(cmd, a.lease, correlation_id=a.delivery.message_id)
+
+
+ROUTES: dict[Command, Route[Any]] = {
+    Command.START: Route(StartCommand, CommandHandlers.start),
+    Command.RESUME: Route(ResumeCommand, CommandHandlers.resume),
+    Command.DECIDE: Route(DecideCommand, CommandHandlers.decide),
+    Command.REPLY: Route(ReplyCommand, CommandHandlers.reply),
+    Command.EXPIRE: Route(ExpireCommand, CommandHandlers.expire),
+    Command.CANCEL: Route(CancelCommand, CommandHandlers.cancel),
+}

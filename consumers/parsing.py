@@ -14,27 +14,11 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from intermission.schemas.commands import (
-    CancelCommand,
-    DecideCommand,
-    ExpireCommand,
-    ReplyCommand,
-    ResumeCommand,
-    StartCommand,
-)
 from intermission.schemas.errors import InvalidMessage, InvalidScope, UnsupportedSchemaVersion
-from intermission.wire import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
+from intermission.wire import SCHEMA_VERSION, SCHEMA_VERSION_HEADER
 
 C = TypeVar("C", bound=BaseModel)
 
-COMMAND_MODELS: dict[Command, type[BaseModel]] = {
-    Command.START: StartCommand,
-    Command.RESUME: ResumeCommand,
-    Command.DECIDE: DecideCommand,
-    Command.REPLY: ReplyCommand,
-    Command.EXPIRE: ExpireCommand,
-    Command.CANCEL: CancelCommand,
-}
 
 # A command body is small; anything near this is an attack or a bug. The 8 MiB reply input (JSON escaped)
 # plus its envelope fits.

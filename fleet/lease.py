@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 from intermission.schemas.errors import RunLeaseLost, TransientError
 from intermission.schemas.run import Lease
-from intermission.schemas.scope import Scope
 from intermission.store.runs import RunStore
 
 log = logging.getLogger("intermission.lease")
@@ -26,7 +25,6 @@ class LeaseKeeper:
     def __init__(
         self,
         runs: RunStore,
-        scope: Scope,
         run_id: str,
         lease: Lease,
         *,
@@ -34,7 +32,6 @@ class LeaseKeeper:
         on_lost: Callable[[], None],
     ) -> None:
         self._runs = runs
-        self._scope = scope
         self._run_id = run_id
         self._lease = lease
         self._renew_every = renew_every
@@ -56,7 +53,7 @@ class LeaseKeeper:
                 pass
             asked_at = time.monotonic()
             try:
-                await self._runs.renew_lease(self._scope, self._run_id, self._lease)
+                await self._runs.renew_lease(self._run_id, self._lease)
                 held_until = asked_at + self._lease.ttl_seconds
             except RunLeaseLost:
                 log.warning("lease lost", extra={"action": "lease_lost", "run_id": self._run_id})

@@ -111,8 +111,7 @@ class Fleet:
             me.cancel()
 
         keeper = LeaseKeeper(
-            self.stores.runs,
-            claimed.run.scope,
+            self.stores.at(claimed.run.scope).runs,
             claimed.run.id,
             lease,
             renew_every=self.settings.lease_renew_seconds,
@@ -165,7 +164,7 @@ class Fleet:
         if ctx.handle.lost or ctx.handle.ended or ctx.handle.paused:
             return
         with contextlib.suppress(IntermissionError):
-            await self.stores.runs.release_lease(ctx.scope, ctx.run.id, ctx.owner)
+            await self.stores.at(ctx.scope).runs.release_lease(ctx.run.id, ctx.owner)
 
     # --- reclaim -----------------------------------------------------------------------------------
 
@@ -173,16 +172,16 @@ class Fleet:
         """Take over up to a batch of runs whose lease lapsed, and continue each from its snapshot."""
         if self.stopping:
             return 0
-        taken = await self.stores.runs.reclaim_lapsed(self.lease(), self.settings.reclaim_batch)
+        taken = await self.stores.across_scopes.reclaim_lapsed(self.lease(), self.settings.reclaim_batch)
         for reclaimed in taken:
             run = reclaimed.run
             progress = reclaimed.progress
             if progress is None:
-                # Claimed without a snapshot (the seed's plain claim): continue from the pause if it is
+                # Claimed without a snapshot (the original's plain claim): continue from the pause if it is
                 # still there, else from the run's start.
                 cont = Continuation(config=run.config, session_id=run.session_id)
                 with contextlib.suppress(IntermissionError):
-                    cont = (await self.stores.suspensions.get_suspension(run.scope, run.id)).continuation
+                    cont = (await self.stores.at(run.scope).suspensions.get_suspension(run.id)).continuation
                 progress = Progress(run_id=run.id, scope=run.scope, owner=self.owner, continuation=cont)
             progress = await self._grant_admitted_start(run, progress)
             log.info("reclaimed a run", extra={"action": "run_reclaimed", "run_id": run.id, "scope": str(run.scope)})
@@ -194,21 +193,21 @@ class Fleet:
         """A run whose agent reply was admitted but never started (its admitter died in between) may only
         execute after the single grant: take it now. An admission that was expired instead must not run:
         the run finishes as expired."""
-        resume = self.stores.resume
+        resume = self.stores.at(run.scope).resume
         try:
-            admission = await resume.latest_resume_admission(run.scope, run.id)
+            admission = await resume.latest_resume_admission(run.id)
         except ResumeAdmissionNotFound:
             return progress
         if admission.claimed_revision != run.revision:
             return progress  # an older pause's admission; this run moved on since
         key = admission.request.version.suspension_id
         try:
-            await resume.get_resume_start(run.scope, run.id, key)
+            await resume.get_resume_start(run.id, key)
             return progress  # started before: the grant was given, and this takeover inherits it
         except ResumeAdmissionNotFound:
             pass
         try:
-            await resume.start_resume_leased(run.scope, run.id, key, admission.request_digest, self.lease())
+            await resume.start_resume_leased(run.id, key, admission.request_digest, self.lease())
         except SuspensionExpired as exc:
             ending = Ending(kind=EndingKind.EXPIRE, reason=exc.detail)
             return progress.model_copy(update={"ending": ending})
@@ -240,7 +239,7 @@ class Fleet:
             await self.wait_idle()
             if await self.reclaim_once():
                 continue
-            if wait_for_lapsed and (await self.stores.operations.count_running()).running:
+            if wait_for_lapsed and (await self.stores.across_scopes.count_running()).running:
                 # Another worker's lease has yet to lapse: look again at the reclaim cadence.
                 await asyncio.sleep(min(self.settings.reclaim_interval_seconds, 0.2))
                 continue

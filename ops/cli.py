@@ -136,7 +136,7 @@ def runs_list(state: str | None, limit: int) -> None:
     async def run() -> None:
         stores = await Stores.connect(settings.database_url, max_size=1)
         try:
-            found = await stores.operations.list_runs(RunState(state) if state else None, limit)
+            found = await stores.across_scopes.list_runs(RunState(state) if state else None, limit)
         finally:
             await stores.close()
         for r in found:
@@ -164,20 +164,21 @@ def runs_show(run_id: str, app: str, tenant: str) -> None:
     async def run() -> None:
         stores = await Stores.connect(settings.database_url, max_size=1)
         try:
-            found = await stores.runs.get_run(scope, run_id)
+            at = stores.at(scope)
+            found = await at.runs.get_run(run_id)
             click.echo(found.model_dump_json(indent=2, exclude={"script"}))
             with contextlib.suppress(NotSuspended):
-                pause = await stores.suspensions.get_suspension(scope, run_id)
+                pause = await at.suspensions.get_suspension(run_id)
                 click.echo(f"paused: suspension {pause.id} ({pause.reason.value}), deadline {pause.expires_at}")
                 for call in pause.pending:
                     click.echo(f"  pending {call.id} {call.name}({call.arguments})")
             with contextlib.suppress(ProgressNotFound):
-                progress = await stores.progress.get_progress(scope, run_id)
+                progress = await at.progress.get_progress(run_id)
                 click.echo(
                     f"progress: step {progress.continuation.step_index}, owner {progress.owner}, "
                     f"{len(progress.started)} started, {len(progress.done)} done"
                 )
-            for event in await stores.runs.list_run_events(scope, run_id):
+            for event in await at.runs.list_run_events(run_id):
                 click.echo(f"event {event['kind']} at revision {event['revision']}")
         finally:
             await stores.close()

@@ -1,4 +1,4 @@
 """Publishers: the outbox relay, the expiry sweeper, and the clients hosts and the bus use.
 
-They may import ``schemas`` and ``store`` only (DESIGN.md section 2).
+They may import ``schemas`` and ``store`` only (docs/architecture.md).
 """

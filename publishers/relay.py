@@ -37,8 +37,9 @@ from aio_pika.abc import AbstractRobustConnection
 from tenacity import RetryCallState
 
 from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, Outgoing, PublishFailed, retrying
+from intermission.store.across_scopes import AcrossScopes, OutboxRow
 from intermission.store.db import Database
-from intermission.store.relay import OutboxListener, OutboxRow, OutboxStore
+from intermission.store.notifications import OutboxListener
 from intermission.wire import EVENTS_EXCHANGE, message
 
 log = logging.getLogger("intermission.relay")
@@ -78,7 +79,7 @@ class OutboxRelay:
     ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
-        self._outbox = OutboxStore(db)
+        self._outbox = AcrossScopes(db)
         self._publisher = ConfirmingPublisher(connection, EVENTS_EXCHANGE, mandatory=False, timeout=publish_timeout)
         self._listen_dsn = listen_dsn
         self._batch_size = batch_size
@@ -136,7 +137,7 @@ class OutboxRelay:
         # reconnect. The wait is bounded so that a broker that is away surfaces as a retryable error.
         async with asyncio.timeout(self._publish_timeout):
             await self._publisher.ready()
-        async with self._outbox.claim(self._batch_size) as batch:
+        async with self._outbox.claim_outbox(self._batch_size) as batch:
             if not batch.rows:
                 return 0, 0
             outcomes = await self._publisher.publish_all(

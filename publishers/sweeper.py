@@ -47,8 +47,8 @@ from tenacity import RetryCallState
 
 from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, Outgoing, PublishFailed, retrying, wait_or_stop
 from intermission.schemas.commands import ExpireCommand
+from intermission.store.across_scopes import AcrossScopes, ExpiredPause
 from intermission.store.db import Database
-from intermission.store.relay import ExpiredPause, ExpirySweepStore
 from intermission.wire import COMMANDS_EXCHANGE, Command, command_message
 
 log = logging.getLogger("intermission.sweeper")
@@ -145,7 +145,7 @@ class ExpirySweeper:
             raise ValueError("batch must be at least 1")
         if max_rate is not None and not max_rate > 0:
             raise ValueError("max_rate must be a positive number of commands per second")
-        self._store = ExpirySweepStore(db)
+        self._store = AcrossScopes(db)
         self._publisher = ConfirmingPublisher(connection, COMMANDS_EXCHANGE, mandatory=True, timeout=publish_timeout)
         self._interval = interval_seconds
         self._batch = batch
@@ -175,7 +175,7 @@ class ExpirySweeper:
         published = 0
         pages = 0
         while stop is None or not stop.is_set():
-            page = await self._store.list_expired_paused_across_scopes(cutoff, after, self._batch)
+            page = await self._store.list_expired_paused(cutoff, after, self._batch)
             pages += 1
             published += await self._publish(page, pacer, stop)
             if len(page) < self._batch:

@@ -1,4 +1,4 @@
-"""Command bodies (DESIGN.md section 5). Unknown fields are refused: a command is a trust boundary."""
+"""Command bodies (docs/contracts.md). Unknown fields are refused: a command is a trust boundary."""
 
 from __future__ import annotations
 

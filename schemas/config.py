@@ -8,7 +8,7 @@ from intermission.schemas.base import Model
 
 
 class ContextPolicy(Model):
-    """How much conversation the loop shows the model (the seed's cognitive.ContextPolicy)."""
+    """How much conversation the loop shows the model (the original's cognitive.ContextPolicy)."""
 
     # 0 means the whole conversation.
     max_messages: int = Field(default=0, ge=0)
@@ -16,7 +16,7 @@ class ContextPolicy(Model):
 
 
 class PublicationPolicy(Model):
-    """What a run may publish outside itself (the seed's safety.Policy)."""
+    """What a run may publish outside itself (the original's safety.Policy)."""
 
     # Redact tool arguments from Notices and events; hosts that show pauses to people use it.
     redact_arguments: bool = False
@@ -24,14 +24,14 @@ class PublicationPolicy(Model):
 
 
 class Budget(Model):
-    """Spending limits (the seed's execution.Budget). 0 means unlimited."""
+    """Spending limits (the original's execution.Budget). 0 means unlimited."""
 
     max_total_tokens: int = Field(default=0, ge=0)
     max_tool_calls: int = Field(default=0, ge=0)
 
 
 class ExecutionProvenance(Model):
-    """Where a run's execution came from (the seed's run.ExecutionProvenance)."""
+    """Where a run's execution came from (the original's run.ExecutionProvenance)."""
 
     agent_id: str = ""
     executor: str = ""

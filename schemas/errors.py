@@ -1,7 +1,7 @@
 """Every error Intermission names, under one root.
 
 Each class carries the stable ``code`` that goes into ``command.rejected`` events and the
-``x-intermission-error`` dead-letter header (DESIGN.md section 6), and its docstring is its default
+``x-intermission-error`` dead-letter header (docs/contracts.md), and its docstring is its default
 message. Driver errors never leave ``store/``: they are wrapped into these, with the cause chained.
 
 ``PermanentError`` means the same input will fail the same way again: reject it, dead-letter it, tell
@@ -44,7 +44,7 @@ class StoreUnavailable(TransientError):
     code = "store_unavailable"
 
 
-# --- command and store refusals (DESIGN.md section 6) ---------------------------------------------
+# --- command and store refusals (docs/contracts.md) ---------------------------------------------
 
 
 class InvalidMessage(PermanentError):
@@ -149,7 +149,7 @@ class RunLeaseLost(PermanentError):
     code = "run_lease_lost"
 
 
-# --- store-level errors the seed names that are not command codes ---------------------------------
+# --- store-level errors the original names that are not command codes ---------------------------------
 
 
 class RunNotFound(PermanentError):

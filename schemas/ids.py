@@ -1,4 +1,4 @@
-"""Identifier formats (DESIGN.md section 5)."""
+"""Identifier formats (docs/contracts.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Minimal but real versions of the conversation types the seed borrows (llm, verification, execution)."""
+"""Minimal but real versions of the conversation types the original borrows (llm, verification, execution)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class ToolOutcome(StrEnum):
 
 
 class ToolResult(Model):
-    """A checked tool result carried by a continuation (the seed's verification.ToolResult)."""
+    """A checked tool result carried by a continuation (the original's verification.ToolResult)."""
 
     call_id: str
     name: str = ""
@@ -52,7 +52,7 @@ class ToolResult(Model):
 
 
 class Usage(Model):
-    """Tokens a run has consumed so far (the seed's execution.Usage)."""
+    """Tokens a run has consumed so far (the original's execution.Usage)."""
 
     input_tokens: int = 0
     output_tokens: int = 0

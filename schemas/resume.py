@@ -1,4 +1,4 @@
-"""Agent-reply resumes: admission, start, expiry and closure evidence (the seed's Resume* types).
+"""Agent-reply resumes: admission, start, expiry and closure evidence (the original's Resume* types).
 
 A reply from another agent resumes a run in two steps, never one. The ADMISSION claims the pinned
 ``agent_reply`` pause and keeps the reply's exact bytes; it proves the reply was accepted and grants no
@@ -25,6 +25,7 @@ from intermission.schemas.base import Model, StrictModel
 from intermission.schemas.digest import digest
 from intermission.schemas.errors import InputTooLarge, InvalidArgument, UnsupportedSchemaVersion
 from intermission.schemas.ids import RUN_ID_PATTERN
+from intermission.schemas.run import Run
 from intermission.schemas.scope import Scope, require_scope
 from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, Suspension
 
@@ -163,10 +164,12 @@ class ResumeStart(Model):
     started_at: datetime
     fresh: bool = Field(default=False, exclude=True)
     suspension: Suspension | None = Field(default=None, exclude=True)
+    # With ``suspension``, on the fresh start only: the run as the grant left it, under the starter's lease.
+    run: Run | None = Field(default=None, exclude=True)
 
     def digest(self) -> str:
         """Binds the retained start without its transient execution authority (``fresh``,
-        ``suspension``), so the digest a host recomputes from a read equals the executor's."""
+        ``suspension``, ``run``), so the digest a host recomputes from a read equals the executor's."""
         return digest(self)
 
 
@@ -286,7 +289,7 @@ class ResumeClosure(Model):
     closed_at: datetime
     fresh: bool = Field(default=False, exclude=True)
 
-    # pydantic v2 keeps a deprecated v1 classmethod named ``validate``; the seed names this check
+    # pydantic v2 keeps a deprecated v1 classmethod named ``validate``; the original names this check
     # Validate, and nothing in pydantic v2 calls the old one, so the name is taken back on purpose.
     def validate(self) -> None:  # type: ignore[override]
         """Check receipt integrity. It grants no access and no new execution: a receipt that checks out

@@ -1,4 +1,4 @@
-"""A paused run and everything needed to continue it (the seed's package ``suspension``)."""
+"""A paused run and everything needed to continue it (the original's package ``suspension``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from intermission.schemas.base import Model
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.ids import CheckpointId, RunId, SuspensionId
 from intermission.schemas.llm import Message, ToolOutcome, ToolResult, Usage
-from intermission.schemas.run import Lease, Run
+from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
 
 # Bounds retained encoded resume input, JSON escaping included.
@@ -110,8 +110,6 @@ class Suspension(Model):
     # Principals allowed to decide an approval pause; empty means any host may.
     approvers: list[str] = Field(default_factory=list)
     created_at: datetime | None = None
-    # The snapshot returned by an atomic claim, with its new revision. Transient: never stored as content.
-    claimed_run: Run | None = Field(default=None, exclude=True)
 
 
 class EndingKind(StrEnum):
@@ -158,7 +156,7 @@ class Progress(Model):
     # The end a claim was made to write and did not get to.
     ending: Ending | None = None
     # Pending calls an approval decision granted: they run through the approval path (the authorizer is
-    # not asked again). Not in the seed's struct: the seed's engine kept this on the checkpoint, and a
+    # not asked again). Not in the original's struct: the original's engine kept this on the checkpoint, and a
     # snapshot that is to carry "every answer the claim was made with" has to carry this one too.
     approved: list[str] = Field(default_factory=list)
     # Set by the store, by the database clock.

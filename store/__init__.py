@@ -1,12 +1,22 @@
-"""Intermission's Postgres store: every store capability of the seed, at the caller's exact scope."""
+"""Intermission's PostgreSQL store: every store capability of the original package (docs/seed.md), at the
+caller's exact scope.
+
+``Stores`` is one pool's worth of it. ``stores.at(scope)`` is a handle bound to one scope, checked once,
+whose aggregates (runs, suspensions, progress, resume evidence, sessions) work only there; a command store
+takes each command's own scope from its body; ``stores.across_scopes`` holds every read that crosses
+scopes, and nothing else does.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
+from intermission.schemas.scope import Scope, require_scope
+from intermission.store.across_scopes import AcrossScopes
 from intermission.store.commands import CommandStore
 from intermission.store.db import Database
-from intermission.store.operations import OperationsStore
+from intermission.store.ledger import DemoLedger
 from intermission.store.progress import ProgressStore
 from intermission.store.resume import ResumeStore
 from intermission.store.runs import RunStore
@@ -14,35 +24,57 @@ from intermission.store.sessions import SessionStore
 from intermission.store.suspensions import SuspensionStore
 
 
+class ScopedStores:
+    """The store at one exact scope: every method of its aggregates reads and writes only there."""
+
+    def __init__(self, db: Database, scope: Scope) -> None:
+        self.db = db
+        # Checked again here, not trusted from the type: a Scope built with model_construct skips pydantic,
+        # and a zero scope must fail before any statement is sent.
+        self.scope = require_scope(scope)
+
+    @cached_property
+    def runs(self) -> RunStore:
+        return RunStore(self.db, self.scope)
+
+    @cached_property
+    def suspensions(self) -> SuspensionStore:
+        return SuspensionStore(self.db, self.scope)
+
+    @cached_property
+    def progress(self) -> ProgressStore:
+        return ProgressStore(self.db, self.scope)
+
+    @cached_property
+    def resume(self) -> ResumeStore:
+        return ResumeStore(self.db, self.scope)
+
+    @cached_property
+    def sessions(self) -> SessionStore:
+        return SessionStore(self.db, self.scope)
+
+
 @dataclass(frozen=True)
 class Stores:
     """The capabilities over one pool."""
 
     db: Database
-    suspensions: SuspensionStore
-    progress: ProgressStore
-    runs: RunStore
-    commands: CommandStore
-    sessions: SessionStore
-    operations: OperationsStore
-    resume: ResumeStore
+    commands: CommandStore = field(init=False)
+    across_scopes: AcrossScopes = field(init=False)
+    ledger: DemoLedger = field(init=False)
 
-    @classmethod
-    def over(cls, db: Database) -> Stores:
-        return cls(
-            db=db,
-            suspensions=SuspensionStore(db),
-            progress=ProgressStore(db),
-            runs=RunStore(db),
-            commands=CommandStore(db),
-            sessions=SessionStore(db),
-            operations=OperationsStore(db),
-            resume=ResumeStore(db),
-        )
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "commands", CommandStore(self.db))
+        object.__setattr__(self, "across_scopes", AcrossScopes(self.db))
+        object.__setattr__(self, "ledger", DemoLedger(self.db))
+
+    def at(self, scope: Scope) -> ScopedStores:
+        """The store at ``scope`` (InvalidScope when it is not a valid scope)."""
+        return ScopedStores(self.db, scope)
 
     @classmethod
     async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10, relayed: bool = False) -> Stores:
-        return cls.over(await Database.connect(dsn, min_size=min_size, max_size=max_size, relayed=relayed))
+        return cls(await Database.connect(dsn, min_size=min_size, max_size=max_size, relayed=relayed))
 
     async def close(self) -> None:
         await self.db.close()

@@ -1,4 +1,4 @@
-"""The seed's ResumeCloser: terminates uncertain execution as incomplete, under host guards.
+"""The original's ResumeCloser: terminates uncertain execution as incomplete, under host guards.
 
 A start that may have executed cannot be retried (the work may have happened) and cannot be expired (it
 did start). The only way out is to prove nothing from it can act any more, and close it. That proof is the
@@ -28,16 +28,18 @@ from intermission.schemas.errors import Forbidden, InvalidArgument, TransientErr
 from intermission.schemas.resume import ResumeClosure, ResumeClosureRequest
 from intermission.schemas.scope import Scope, require_scope
 
-# The seed's bound on one closure, authorization and fencing included. Host ports must honour
+# The original's bound on one closure, authorization and fencing included. Host ports must honour
 # cancellation: when it passes, whatever they are awaiting is cancelled.
 CLOSE_TIMEOUT_SECONDS = 30.0
 
 
 @runtime_checkable
 class ResumeClosureStore(Protocol):
-    async def close_resume(self, scope: Scope, request: ResumeClosureRequest) -> ResumeClosure: ...
+    """The closure half of the resume store, at one scope (``stores.at(scope).resume``)."""
 
-    async def get_resume_closure(self, scope: Scope, run_id: str, suspension_id: int) -> ResumeClosure: ...
+    async def close_resume(self, request: ResumeClosureRequest) -> ResumeClosure: ...
+
+    async def get_resume_closure(self, run_id: str, suspension_id: int) -> ResumeClosure: ...
 
 
 @runtime_checkable
@@ -81,7 +83,7 @@ class ResumeCloser:
         ):
             if part is None or not isinstance(part, kind):
                 raise InvalidArgument(f"a resume closer needs a {name} ({kind.__name__})")
-        # A shorter bound is allowed (tests, tighter hosts); a longer one is not the seed's guarantee.
+        # A shorter bound is allowed (tests, tighter hosts); a longer one is not the original's guarantee.
         if not 0 < timeout_seconds <= CLOSE_TIMEOUT_SECONDS:
             raise InvalidArgument(f"timeout_seconds must be in (0, {CLOSE_TIMEOUT_SECONDS}]")
         self._store = store
@@ -110,7 +112,7 @@ class ResumeCloser:
             # Authority is checked inside the fence, so the grants it holds cannot be revoked between the
             # check and the write; and on every call, because a retry is a new request for authority.
             await self._authorizer.authorize_resume_closure(frozen)
-            receipt = await self._store.close_resume(scope, frozen)
+            receipt = await self._store.close_resume(frozen)
 
         try:
             async with asyncio.timeout(self._timeout):

@@ -1,19 +1,24 @@
-"""Each command's effect as ONE transaction: the inbox record, validation against the stored pause, the
-claim with the worker's lease and the first progress snapshot, and the outbox event.
+"""Each command's effect as ONE transition: the inbox record, the claim with the worker's lease and the
+first progress snapshot, and the outbox event.
 
-Consumers (RabbitMQ) and the in-process control (tests, the demo) both apply commands through these
-functions, so there is one implementation of every effect. Validation that needs the stored pause (its
-reason, its pending calls, its approvers) reads it inside the same transaction, and the claim is pinned to
-the version the command names, so what was validated is exactly what is claimed. A refusal raises and
-rolls everything back: nothing is half-written, not even the inbox record.
+Consumers (RabbitMQ) and the in-process control of the tests both apply commands through these methods,
+so there is one implementation of every effect. A command names its own scope (its body's, which the
+consumer checked), so the command store is not bound to one.
+
+A command that answers a pause takes two round trips. The first reads, at the command's exact scope, the
+run, its live pause and what the inbox holds for the command's message_id; the command is checked against
+that pause (who may answer it, whether the answers fit). The second is the transition
+(``intermission_claim_pause_v1`` with the command's parts), pinned to the pause and revision that were read: a pause row never
+changes after the transaction that wrote it, and a run row does not change without its revision changing,
+so what was checked is exactly what is claimed. A refusal at either step writes nothing, not even the
+inbox record.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-
-import asyncpg
 
 from intermission.schemas.answers import (
     Source,
@@ -34,7 +39,6 @@ from intermission.schemas.commands import (
     StartCommand,
 )
 from intermission.schemas.errors import (
-    IntermissionError,
     InvalidArgument,
     InvalidState,
     NotSuspended,
@@ -45,21 +49,13 @@ from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.resume import ResumeAdmissionRequest
 from intermission.schemas.run import Lease, NewRun, Run, RunState
 from intermission.schemas.scope import Scope, require_scope
-from intermission.schemas.suspension import (
-    ClaimVersion,
-    Continuation,
-    Ending,
-    EndingKind,
-    LeasedClaim,
-    Progress,
-    Suspension,
-)
+from intermission.schemas.suspension import ClaimVersion, Continuation, Ending, EndingKind, Progress, Suspension
 from intermission.store import outbox, rows
-from intermission.store.db import Conn, Database
-from intermission.store.inbox import AlreadyApplied, Receipt, record_in
+from intermission.store.db import Database
+from intermission.store.inbox import AlreadyApplied, Receipt
 from intermission.store.resume import ResumeStore
-from intermission.store.runs import create_run_in
-from intermission.store.suspensions import SuspensionStore, check_leased_claim, claim_pinned_in
+from intermission.store.runs import check_lease, start_in
+from intermission.store.suspensions import Decided, claim_arguments, refusal
 
 
 @dataclass(frozen=True)
@@ -97,55 +93,45 @@ def new_run(cmd: StartCommand, defaults: RunDefaults) -> NewRun:
     )
 
 
-async def _stored_pause(con: Conn, scope: Scope, version: ClaimVersion) -> Suspension:
-    row = await con.fetchrow("get_suspension", version.run_id, scope.app, scope.tenant)
-    if row is None:
-        raise NotSuspended(f"no live pause for run {version.run_id} at scope {scope}")
-    suspension = rows.suspension_from_row(row)
-    if suspension.id != version.suspension_id:
-        raise RunConflict(f"run {version.run_id} is paused on suspension {suspension.id}, not {version.suspension_id}")
-    return suspension
+@dataclass(frozen=True)
+class Stored:
+    """The run and its live pause as the command's first read found them (None where absent)."""
+
+    run: Run | None
+    pause: Suspension | None
+
+    def pause_pinned(self, scope: Scope, version: ClaimVersion) -> Suspension:
+        """The live pause ``version`` names, or why there is none to answer."""
+        if self.pause is None:
+            raise NotSuspended(f"no live pause for run {version.run_id} at scope {scope}")
+        if self.pause.id != version.suspension_id:
+            raise RunConflict(
+                f"run {version.run_id} is paused on suspension {self.pause.id}, not {version.suspension_id}"
+            )
+        return self.pause
 
 
-async def _claim(
-    con: Conn,
-    scope: Scope,
-    version: ClaimVersion,
-    lease: Lease,
-    first: Progress,
-    correlation_id: str | None,
-    *,
-    expired_by: datetime | None = None,
-    announce: bool = True,
-) -> Claimed:
-    claim = LeasedClaim(version=version, lease=lease, first=first, expired_by=expired_by)
-    check_leased_claim(claim)
-    suspension = await claim_pinned_in(con, scope, version, claim, claim.expired_by)
-    run = suspension.claimed_run
-    assert run is not None
-    # The pause is answered: its row goes with the claim, so a running run holds no stale pause for the
-    # sweeper to find, and a run that pauses again holds exactly one, the new one.
-    await con.execute("delete_run_suspension", run.id)
-    if announce:
-        event = RunEvent(kind=RunEventKind.RESUMED, run_id=run.id, revision=run.revision, scope=scope)
-        await outbox.write(con, outbox.run_event(event, correlation_id))
-    progress = first.model_copy(update={"scope": scope})
-    return Claimed(run=run, progress=progress, suspension=suspension, correlation_id=correlation_id)
+@dataclass(frozen=True)
+class Answer:
+    """What a checked command asks of the answer transition."""
 
-
-async def _record(con: Conn, receipt: Receipt | None, scope: Scope, run_id: str) -> None:
-    if receipt is not None:
-        await record_in(con, receipt, scope, run_id)
+    version: ClaimVersion
+    first: Progress
+    suspension: Suspension
+    # The sweep's claim: only a pause whose deadline passed by this.
+    expired_by: datetime | None = None
+    # An approval decision to record on the pause's checkpoint.
+    decision: Decided | None = None
+    # Whether the claim announces run.resumed (a cancel's and an expiry's claims end the run instead).
+    announce: bool = True
 
 
 class CommandStore:
     """Command effects over one pool. ``receipt`` records the delivering message in the inbox, in the
-    same transaction; it raises ``AlreadyApplied`` for a message whose effect committed before."""
+    same transition; it raises ``AlreadyApplied`` for a message whose effect committed before."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        self.suspensions = SuspensionStore(db)
-        self.admissions = ResumeStore(db)
 
     async def start(
         self,
@@ -165,9 +151,8 @@ class CommandStore:
             owner=lease.owner,
             continuation=Continuation(config=new.config, session_id=new.session_id),
         )
-        async with self.db.transaction() as con:
-            await _record(con, receipt, scope, new.run_id)
-            created = await create_run_in(con, scope, new, lease, first)
+        async with self.db.connection() as con:
+            created = await start_in(con, scope, new, lease, first, receipt)
         if not created.fresh:
             return None
         return Claimed(
@@ -178,99 +163,16 @@ class CommandStore:
         )
 
     async def resume(
-        self,
-        cmd: ResumeCommand,
-        lease: Lease,
-        *,
-        receipt: Receipt | None = None,
-        correlation_id: str | None = None,
+        self, cmd: ResumeCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
     ) -> Claimed:
-        """A host's results for an ``external_tool`` pause.
+        """A host's results for an ``external_tool`` pause."""
 
-        The common case takes two round trips (``_resume_at_once``); anything unusual there (a duplicate,
-        a refusal, a race, a row that does not decode) falls through to the step-by-step transaction below,
-        which decides it exactly as it always has: inbox record first, then the pause, then the claim.
-        """
-        scope = require_scope(cmd.scope)
-        claimed = await self._resume_at_once(scope, cmd, lease, receipt, correlation_id)
-        if claimed is not None:
-            return claimed
-        async with self.db.transaction() as con:
-            await _record(con, receipt, scope, cmd.version.run_id)
-            suspension = await _stored_pause(con, scope, cmd.version)
-            check_authority(Source.HOST, suspension)
-            first = results_progress(suspension, cmd.results, lease.owner)
-            return await _claim(con, scope, cmd.version, lease, first, correlation_id)
+        def check(scope: Scope, stored: Stored) -> Answer:
+            pause = stored.pause_pinned(scope, cmd.version)
+            check_authority(Source.HOST, pause)
+            return Answer(cmd.version, results_progress(pause, cmd.results, lease.owner), pause)
 
-    async def _resume_at_once(
-        self,
-        scope: Scope,
-        cmd: ResumeCommand,
-        lease: Lease,
-        receipt: Receipt | None,
-        correlation_id: str | None,
-    ) -> Claimed | None:
-        """The resume as one read and ONE writing statement (``claim_resume``), or None when it did not
-        apply; then nothing was written and the caller takes the step-by-step path.
-
-        Why it is the same effect as the step-by-step transaction: the read decodes and checks the pause and
-        its run BEFORE anything is written (a row that does not decode never gets claimed), and the claim is
-        pinned to the suspension id and run revision that were read. A suspension row never changes after
-        the transaction that created it, and a run row does not change without its revision changing, so
-        what was checked is exactly what is claimed. The claim, the first snapshot, the removal of the
-        pause, the inbox record and the outbox event are one statement: they commit together or not at
-        all. A recorded message_id fails that statement (no ON CONFLICT), so a duplicate writes nothing and
-        the step-by-step path finds it recorded.
-        """
-        version = cmd.version
-        if not lease.is_set:
-            return None
-        async with self.db.connection() as con:
-            row = await con.fetchrow("read_pause_and_run", version.run_id, scope.app, scope.tenant)
-            if row is None or row["id"] != version.suspension_id or row["r_revision"] != version.run_revision:
-                return None
-            try:
-                suspension = rows.suspension_from_row(row)
-                run = rows.run_from_row(row, prefix="r_")
-                check_authority(Source.HOST, suspension)
-                first = results_progress(suspension, cmd.results, lease.owner)
-                done = rows.dump_list(rows.DONE, first.done)
-            except IntermissionError:
-                return None
-            event = RunEvent(kind=RunEventKind.RESUMED, run_id=run.id, revision=version.run_revision + 1, scope=scope)
-            announced = outbox.run_event(event, correlation_id)
-            try:
-                claimed = await con.fetchrow(
-                    "claim_resume",
-                    version.run_id,
-                    scope.app,
-                    scope.tenant,
-                    version.suspension_id,
-                    version.run_revision,
-                    lease.owner,
-                    lease.ttl_seconds,
-                    done,
-                    receipt.message_id if receipt is not None else None,
-                    receipt.routing_key if receipt is not None else None,
-                    receipt.body_digest if receipt is not None else None,
-                    *outbox.columns(announced),
-                )
-            except asyncpg.UniqueViolationError:
-                return None
-        if claimed is None:
-            return None
-        run = run.model_copy(
-            update={
-                "state": RunState(claimed["state"]),
-                "revision": claimed["revision"],
-                "lease_owner": claimed["lease_owner"],
-                "lease_expires_at": claimed["lease_expires_at"],
-                "updated_at": claimed["updated_at"],
-            }
-        )
-        suspension.claimed_run = run
-        progress = first.model_copy(update={"scope": scope})
-        return Claimed(run=run, progress=progress, suspension=suspension, correlation_id=correlation_id)
+        return await self._answer(cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check)
 
     async def decide(
         self,
@@ -282,73 +184,130 @@ class CommandStore:
         correlation_id: str | None = None,
     ) -> Claimed:
         """An approval decision. ``principal`` is the broker-validated sender, never the body's word."""
-        scope = require_scope(cmd.scope)
-        async with self.db.transaction() as con:
-            await _record(con, receipt, scope, cmd.version.run_id)
-            suspension = await _stored_pause(con, scope, cmd.version)
-            check_authority(Source.DECISION, suspension)
-            if suspension.checkpoint_id != cmd.checkpoint_id:
-                raise RunConflict(f"run {suspension.run_id} waits on checkpoint {suspension.checkpoint_id}")
-            check_approver(suspension, principal)
-            first = decision_progress(suspension, cmd.decision, cmd.reason, lease.owner)
-            claimed = await _claim(con, scope, cmd.version, lease, first, correlation_id)
+
+        def check(scope: Scope, stored: Stored) -> Answer:
+            pause = stored.pause_pinned(scope, cmd.version)
+            check_authority(Source.DECISION, pause)
+            if pause.checkpoint_id != cmd.checkpoint_id:
+                raise RunConflict(f"run {pause.run_id} waits on checkpoint {pause.checkpoint_id}")
+            check_approver(pause, principal)
             state = "approved" if cmd.decision is Decision.APPROVE else "denied"
-            decided = await con.fetchval(
-                "decide_checkpoint", cmd.checkpoint_id, suspension.run_id, state, principal, cmd.reason
+            return Answer(
+                cmd.version,
+                decision_progress(pause, cmd.decision, cmd.reason, lease.owner),
+                pause,
+                decision=Decided(cmd.checkpoint_id, state, principal, cmd.reason),
             )
-            if decided is None:
-                raise InvalidState(f"checkpoint {cmd.checkpoint_id} is not pending")
-            return claimed
+
+        return await self._answer(cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check)
 
     async def expire(
-        self,
-        cmd: ExpireCommand,
-        lease: Lease,
-        *,
-        receipt: Receipt | None = None,
-        correlation_id: str | None = None,
+        self, cmd: ExpireCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
     ) -> Claimed:
         """Claim a pause past its deadline (judged against ``expired_by`` AND the database clock) with
         ``ending = expire``; the worker fails the run with a reason naming the deadline."""
-        scope = require_scope(cmd.scope)
-        async with self.db.transaction() as con:
-            await _record(con, receipt, scope, cmd.version.run_id)
-            suspension = await _stored_pause(con, scope, cmd.version)
-            deadline = suspension.expires_at.isoformat() if suspension.expires_at else "no deadline"
+
+        def check(scope: Scope, stored: Stored) -> Answer:
+            pause = stored.pause_pinned(scope, cmd.version)
+            deadline = pause.expires_at.isoformat() if pause.expires_at else "no deadline"
             ending = Ending(
                 kind=EndingKind.EXPIRE,
-                reason=f"suspension_expired: the {suspension.reason.value} pause passed its deadline "
-                f"{deadline} unanswered",
+                reason=f"suspension_expired: the {pause.reason.value} pause passed its deadline {deadline} unanswered",
             )
-            first = ending_progress(suspension, ending, lease.owner)
-            return await _claim(
-                con, scope, cmd.version, lease, first, correlation_id, expired_by=cmd.expired_by, announce=False
-            )
+            first = ending_progress(pause, ending, lease.owner)
+            return Answer(cmd.version, first, pause, expired_by=cmd.expired_by, announce=False)
+
+        return await self._answer(cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check)
 
     async def cancel(
-        self,
-        cmd: CancelCommand,
-        lease: Lease,
-        *,
-        receipt: Receipt | None = None,
-        correlation_id: str | None = None,
+        self, cmd: CancelCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
     ) -> Claimed:
         """Claim a paused run with ``ending = cancel``; a run that already ended is InvalidState."""
-        scope = require_scope(cmd.scope)
-        async with self.db.transaction() as con:
-            await _record(con, receipt, scope, cmd.run_id)
-            run_row = await con.fetchrow("get_run", cmd.run_id, scope.app, scope.tenant)
-            if run_row is None:
+
+        def check(scope: Scope, stored: Stored) -> Answer:
+            run = stored.run
+            if run is None:
                 raise NotSuspended(f"no run {cmd.run_id} at scope {scope}")
-            if RunState(run_row["state"]).is_terminal:
-                raise InvalidState(f"run {cmd.run_id} already ended {run_row['state']}")
-            row = await con.fetchrow("get_suspension", cmd.run_id, scope.app, scope.tenant)
-            if row is None or run_row["state"] != RunState.PAUSED.value:
+            if run.state.is_terminal:
+                raise InvalidState(f"run {cmd.run_id} already ended {run.state.value}")
+            if stored.pause is None or run.state is not RunState.PAUSED:
                 raise NotSuspended(f"run {cmd.run_id} is not paused")
-            suspension = rows.suspension_from_row(row)
-            version = ClaimVersion(run_id=cmd.run_id, suspension_id=suspension.id, run_revision=run_row["revision"])
-            first = ending_progress(suspension, Ending(kind=EndingKind.CANCEL, reason=cmd.reason), lease.owner)
-            return await _claim(con, scope, version, lease, first, correlation_id, announce=False)
+            version = ClaimVersion(run_id=cmd.run_id, suspension_id=stored.pause.id, run_revision=run.revision)
+            first = ending_progress(stored.pause, Ending(kind=EndingKind.CANCEL, reason=cmd.reason), lease.owner)
+            return Answer(version, first, stored.pause, announce=False)
+
+        return await self._answer(cmd.scope, cmd.run_id, lease, receipt, correlation_id, check)
+
+    async def _answer(
+        self,
+        scope: Scope,
+        run_id: str,
+        lease: Lease,
+        receipt: Receipt | None,
+        correlation_id: str | None,
+        check: Callable[[Scope, Stored], Answer],
+    ) -> Claimed:
+        scope = require_scope(scope)
+        check_lease(lease)
+        async with self.db.connection() as con:
+            row = await con.fetchrow(
+                "read_for_command",
+                run_id,
+                scope.app,
+                scope.tenant,
+                receipt.message_id if receipt is not None else None,
+            )
+            assert row is not None  # the read always returns its one row
+            if receipt is not None:
+                receipt.check_recorded(row["i_routing_key"], row["i_body_digest"], row["i_outcome"])
+            stored = Stored(
+                run=rows.run_from_row(row["run"]) if row["run"] is not None else None,
+                pause=rows.suspension_from_row(row["pause"]) if row["pause"] is not None else None,
+            )
+            answer = check(scope, stored)
+            version = answer.version
+            event = (
+                outbox.run_event(
+                    RunEvent(kind=RunEventKind.RESUMED, run_id=run_id, revision=version.run_revision + 1, scope=scope),
+                    correlation_id,
+                )
+                if answer.announce
+                else None
+            )
+            result = await con.fetchrow(
+                "claim_pause",
+                **claim_arguments(
+                    scope,
+                    run_id,
+                    version=version,
+                    expired_by=answer.expired_by,
+                    lease=lease,
+                    first=answer.first,
+                    answers_only=True,
+                    drop_pause=True,
+                    receipt=receipt,
+                    decision=answer.decision,
+                    event=event,
+                ),
+            )
+        assert result is not None
+        outcome = result["outcome"]
+        if receipt is not None:
+            receipt.refuse(outcome)
+        if outcome != "claimed":
+            raise refusal(outcome, result, scope, run_id, version=version, expired_by=answer.expired_by)
+        assert stored.run is not None  # claimed, so it was read
+        run = stored.run.model_copy(
+            update={
+                "state": RunState.RUNNING,
+                "revision": result["r_revision"],
+                "lease_owner": result["r_lease_owner"],
+                "lease_expires_at": result["r_lease_expires_at"],
+                "updated_at": result["r_updated_at"],
+            }
+        )
+        progress = answer.first.model_copy(update={"scope": scope, "updated_at": result["first_updated_at"]})
+        return Claimed(run=run, progress=progress, suspension=answer.suspension, correlation_id=correlation_id)
 
     async def reply(self, cmd: ReplyCommand, lease: Lease, *, correlation_id: str | None = None) -> Claimed | None:
         """The messaging bus's reply to an ``agent_reply`` pause (the caller has checked that the sender IS
@@ -361,41 +320,42 @@ class CommandStore:
         record: a different reply for the same pause is resume_admission_conflict.
         """
         scope = require_scope(cmd.scope)
+        evidence = ResumeStore(self.db, scope)
+        request = ResumeAdmissionRequest(scope=scope, version=cmd.version, input=cmd.input.encode("utf-8"))
         try:
-            suspension = await self.suspensions.get_suspension(scope, cmd.version.run_id)
-            if suspension.id != cmd.version.suspension_id:
-                raise RunConflict(f"run {cmd.version.run_id} is paused on suspension {suspension.id}")
+            suspension = await evidence.pause_for(cmd.version)
         except (NotSuspended, RunConflict):
             # The run may have left this pause BECAUSE this very reply was admitted: then this is a
             # redelivery or a re-send, acknowledged with no second effect and no refusal.
-            await self._raise_if_admitted(scope, cmd, correlation_id)
+            await self._raise_if_admitted(evidence, request, correlation_id)
             raise
         check_authority(Source.BUS, suspension)
         first = reply_progress(suspension, cmd.reply_with, cmd.input, lease.owner)
-        request = ResumeAdmissionRequest(scope=scope, version=cmd.version, input=cmd.input.encode("utf-8"))
-        admission = await self.admissions.admit_resume_leased(
-            scope, request, lease, first, correlation_id=correlation_id
+        admission = await evidence.admit_resume_leased(
+            request, lease, first, correlation_id=correlation_id, pause=suspension
         )
-        started = await self.admissions.start_resume_leased(
-            scope, cmd.version.run_id, cmd.version.suspension_id, admission.request_digest, lease, first
+        started = await evidence.start_resume_leased(
+            cmd.version.run_id, cmd.version.suspension_id, admission.request_digest, lease, first
         )
-        if not started.fresh or started.suspension is None or started.suspension.claimed_run is None:
+        if not started.fresh or started.suspension is None or started.run is None:
             return None
         return Claimed(
-            run=started.suspension.claimed_run,
+            run=started.run,
             progress=first.model_copy(update={"scope": scope}),
             suspension=started.suspension,
             correlation_id=correlation_id,
         )
 
-    async def _raise_if_admitted(self, scope: Scope, cmd: ReplyCommand, correlation_id: str | None) -> None:
+    @staticmethod
+    async def _raise_if_admitted(
+        evidence: ResumeStore, request: ResumeAdmissionRequest, correlation_id: str | None
+    ) -> None:
         """AlreadyApplied when the identical reply was admitted for its pause before: the admission is a
         reply's idempotency record. Otherwise return, and the caller's refusal stands."""
-        version = cmd.version
+        version = request.version
         try:
-            admission = await self.admissions.get_resume_admission(scope, version.run_id, version.suspension_id)
+            admission = await evidence.get_resume_admission(version.run_id, version.suspension_id)
         except (ResumeAdmissionNotFound, InvalidArgument):
             return
-        request = ResumeAdmissionRequest(scope=scope, version=version, input=cmd.input.encode("utf-8"))
         if admission.request_digest == request.digest():
             raise AlreadyApplied(correlation_id or f"reply to {version.run_id}", "admitted")

@@ -1,8 +1,9 @@
 """The one way store code talks to Postgres: a pool, transactions, and statements by name.
 
 ``Conn`` accepts query NAMES, never SQL text, so every statement that runs is one of the reviewed
-statements in ``store/queries/``. Driver errors are translated here into Intermission's typed errors
-(``store_unavailable`` for what a retry may cure); asyncpg types never leave ``store/``.
+statements in ``store/queries/``; a statement that names its arguments takes them by name. Driver errors
+are translated here into Intermission's typed errors (``store_unavailable`` for what a retry may cure);
+asyncpg types never leave ``store/``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from intermission.schemas.errors import IntermissionError, InvalidArgument, StoreUnavailable
+from intermission.schemas.errors import IntermissionError, InvalidArgument, InvalidState, StoreUnavailable
 from intermission.store.queries import OUTBOX_WRITERS, QUERIES
 
 # SQLSTATEs a retry may cure: serialisation failures and deadlocks, and the server going away.
@@ -36,6 +37,10 @@ _TRANSIENT_SQLSTATES = frozenset(
     }
 )
 
+
+# Raised by a transition function (store/migrations/0005_transitions.sql) that found a state it refuses to
+# write over; everything else it refuses is an outcome it returns.
+INVALID_STATE_SQLSTATE = "IM409"
 
 _BAD_TEXT_SQLSTATES = frozenset(
     {
@@ -80,6 +85,9 @@ def translated() -> Iterator[None]:
             # PostgreSQL text cannot hold U+0000 and must be valid UTF-8: the caller's input, not a fault.
             raise InvalidArgument("text must be valid UTF-8 without U+0000 (NUL)") from exc
         sqlstate = getattr(exc, "sqlstate", None)
+        if sqlstate == INVALID_STATE_SQLSTATE:
+            # A transition function found a state the fleet never produces and rolled itself back.
+            raise InvalidState(str(getattr(exc, "message", exc))) from exc
         raise StoreError(f"database error {sqlstate or type(exc).__name__}") from exc
 
 
@@ -92,22 +100,44 @@ class Conn:
         self.raw = raw
         self.wrote_outbox = False
 
-    def _text(self, query: str) -> str:
-        if query in OUTBOX_WRITERS:
+    def _prepare(self, name: str, args: tuple[Any, ...], named: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+        query = QUERIES[name]
+        if name in OUTBOX_WRITERS:
             self.wrote_outbox = True
-        return QUERIES[query]
+        if not named:
+            return query.sql, args
+        if args or query.arguments is None:
+            raise TypeError(f"query {name!r} takes {'no names' if query.arguments is None else 'names only'}")
+        try:
+            if len(named) == len(query.arguments):
+                return query.sql, tuple([named[argument] for argument in query.arguments])
+        except KeyError:
+            pass
+        missing, unknown = set(query.arguments) - set(named), set(named) - set(query.arguments)
+        raise TypeError(f"query {name!r}: missing {sorted(missing)}, unknown {sorted(unknown)}")
 
-    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
-        return await self.raw.fetch(self._text(query), *args)
+    async def fetch(self, name: str, *args: Any, **named: Any) -> list[asyncpg.Record]:
+        sql, values = self._prepare(name, args, named)
+        return await self.raw.fetch(sql, *values)
 
-    async def fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
-        return await self.raw.fetchrow(self._text(query), *args)
+    async def fetchrow(self, name: str, *args: Any, **named: Any) -> asyncpg.Record | None:
+        sql, values = self._prepare(name, args, named)
+        return await self.raw.fetchrow(sql, *values)
 
-    async def fetchval(self, query: str, *args: Any) -> Any:
-        return await self.raw.fetchval(self._text(query), *args)
+    async def fetchval(self, name: str, *args: Any, **named: Any) -> Any:
+        sql, values = self._prepare(name, args, named)
+        return await self.raw.fetchval(sql, *values)
 
-    async def execute(self, query: str, *args: Any) -> str:
-        return await self.raw.execute(self._text(query), *args)
+    async def execute(self, name: str, *args: Any, **named: Any) -> str:
+        sql, values = self._prepare(name, args, named)
+        return await self.raw.execute(sql, *values)
+
+
+async def _forget_types(raw: asyncpg.Connection[Any] | PoolConnectionProxy[Any]) -> None:
+    """A migration changed a row type this connection had cached (transitions hand back whole rows, which
+    asyncpg decodes by the type it once looked up): drop what the connection knows of types and statements,
+    so the caller's retry (the error is StoreUnavailable, a transient one) reads the new type."""
+    await raw.reload_schema_state()
 
 
 async def _keep_session(_raw: asyncpg.Connection[Any]) -> None:
@@ -186,6 +216,9 @@ class Database:
                 try:
                     async with raw.transaction():
                         yield conn
+                except asyncpg.OutdatedSchemaCacheError:
+                    await _forget_types(raw)
+                    raise
                 finally:
                     self._ended(conn)
 
@@ -197,5 +230,8 @@ class Database:
                 conn = Conn(raw)
                 try:
                     yield conn
+                except asyncpg.OutdatedSchemaCacheError:
+                    await _forget_types(raw)
+                    raise
                 finally:
                     self._ended(conn)

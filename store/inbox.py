@@ -3,19 +3,19 @@ its effect.
 
 A command's ``message_id`` is its idempotency key. A redelivered or re-sent command whose message_id is
 recorded already had its effect: it is acknowledged with no second effect and no rejection. The same
-message_id with a different body is ``message_id_conflict``. Recording comes FIRST in the transaction, so
-a duplicate delivered concurrently waits on the unique index until the first attempt commits (and is then
-a duplicate) or rolls back (and then applies itself).
+message_id with a different body is ``message_id_conflict``. The record is the FIRST write of the command's
+transition (``intermission_claim_pause_v1``, ``intermission_start_run_v1``), so a duplicate delivered
+concurrently waits on the unique index until the first attempt commits (and is then a duplicate) or is
+refused (its record removed, and then it applies itself).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from intermission.schemas.digest import digest
 from intermission.schemas.errors import MessageIdConflict
-from intermission.schemas.scope import Scope
-from intermission.store.db import Conn
 
 
 class AlreadyApplied(Exception):
@@ -41,23 +41,22 @@ class Receipt:
         # command (other key order, other whitespace) under the same message_id is still the same command.
         return cls(message_id=message_id, routing_key=routing_key, body_digest=digest([routing_key, command]))
 
+    def arguments(self) -> dict[str, str]:
+        """The receipt as a transition's named inbox arguments."""
+        return {"message_id": self.message_id, "routing_key": self.routing_key, "digest": self.body_digest}
 
-async def record_in(con: Conn, receipt: Receipt, scope: Scope, run_id: str | None, outcome: str = "applied") -> None:
-    recorded = await con.fetchval(
-        "record_inbox",
-        receipt.message_id,
-        receipt.routing_key,
-        receipt.body_digest,
-        outcome,
-        scope.app,
-        scope.tenant,
-        run_id,
-    )
-    if recorded is not None:
-        return
-    before = await con.fetchrow("get_inbox", receipt.message_id)
-    if before is None:  # pragma: no cover - the conflicting row cannot vanish inside this transaction
-        raise MessageIdConflict(f"message_id {receipt.message_id} is being recorded by another command")
-    if before["body_digest"] != receipt.body_digest or before["routing_key"] != receipt.routing_key:
-        raise MessageIdConflict(f"message_id {receipt.message_id} was used for a different command")
-    raise AlreadyApplied(receipt.message_id, before["outcome"])
+    def check_recorded(self, routing_key: Any, body_digest: Any, outcome: Any) -> None:
+        """What the inbox holds for this message_id (None for all three when nothing): AlreadyApplied for
+        this very command, MessageIdConflict for another; nothing when it is not recorded."""
+        if routing_key is None:
+            return
+        if body_digest != self.body_digest or routing_key != self.routing_key:
+            raise MessageIdConflict(f"message_id {self.message_id} was used for a different command")
+        raise AlreadyApplied(self.message_id, str(outcome))
+
+    def refuse(self, outcome: str) -> None:
+        """Raise for a transition's inbox outcome ('duplicate' or 'message_id_conflict'); return otherwise."""
+        if outcome == "duplicate":
+            raise AlreadyApplied(self.message_id, "applied")
+        if outcome == "message_id_conflict":
+            raise MessageIdConflict(f"message_id {self.message_id} was used for a different command")

@@ -1,7 +1,9 @@
-"""Outbox rows: events written in the same transaction as the change that caused them.
+"""Outbox rows: the events a transition writes in its own transaction, for the relay to publish later.
 
-The relay (``publishers/``) publishes them later with confirms; a row's ``message_id`` is fixed when it is
-written, so every re-publication carries the same id and subscribers can deduplicate.
+A row's ``message_id`` is fixed when it is written, so every re-publication carries the same id and
+subscribers can deduplicate. Where an event names something only the writing transaction knows (a pause's
+id and deadline, a run's new revision), the event goes to the transition as everything else the caller
+knows, and the transition adds those values itself (``store/migrations/0005_transitions.sql``).
 """
 
 from __future__ import annotations
@@ -9,62 +11,52 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from intermission.schemas.events import RunEvent
 from intermission.schemas.suspension import Notice
-from intermission.store.db import Conn
-from intermission.wire import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, notice_key, run_event_key
+from intermission.wire import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, HeaderValue, notice_key, run_event_key
+
+# What a pause's transaction adds to its Notice, and an end's to its run event.
+NOTICE_FILLED_BY_THE_DATABASE = frozenset({"suspension_id", "run_revision", "expires_at", "checkpoint_id"})
+RUN_EVENT_FILLED_BY_THE_DATABASE = frozenset({"revision"})
 
 
 @dataclass(frozen=True)
 class OutboxEvent:
     routing_key: str
     body: str
-    app: str
-    tenant: str
-    run_id: str | None
     correlation_id: str | None = None
     message_id: uuid.UUID = field(default_factory=uuid.uuid4)
-    headers: dict[str, str | int] = field(default_factory=lambda: {SCHEMA_VERSION_HEADER: SCHEMA_VERSION})
+    headers: dict[str, HeaderValue] = field(default_factory=lambda: {SCHEMA_VERSION_HEADER: SCHEMA_VERSION})
+
+    def arguments(self, *, body: bool = True) -> dict[str, Any]:
+        """The event as a transition's named ``event_*`` arguments (without its body when the transition
+        takes the body as a document it completes)."""
+        named: dict[str, Any] = {
+            "event_message_id": self.message_id,
+            "event_routing_key": self.routing_key,
+            "event_correlation_id": self.correlation_id,
+            "event_headers": json.dumps(self.headers),
+        }
+        if body:
+            named["event_body"] = self.body
+        return named
 
 
 def notice_event(notice: Notice, correlation_id: str | None) -> OutboxEvent:
+    """A pause's Notice, its database-assigned fields left for the pause's transaction to fill in."""
     return OutboxEvent(
         routing_key=notice_key(notice.reason, notice.scope),
-        body=notice.model_dump_json(),
-        app=notice.scope.app,
-        tenant=notice.scope.tenant,
-        run_id=notice.run_id,
+        body=notice.model_dump_json(exclude=set(NOTICE_FILLED_BY_THE_DATABASE)),
         correlation_id=correlation_id,
     )
 
 
-def run_event(event: RunEvent, correlation_id: str | None) -> OutboxEvent:
+def run_event(event: RunEvent, correlation_id: str | None, *, revision_known: bool = True) -> OutboxEvent:
+    """A ``run.*`` event; with ``revision_known`` false its revision is left for the transaction."""
     return OutboxEvent(
         routing_key=run_event_key(event.kind, event.scope),
-        body=event.model_dump_json(),
-        app=event.scope.app,
-        tenant=event.scope.tenant,
-        run_id=event.run_id,
+        body=event.model_dump_json(exclude=None if revision_known else set(RUN_EVENT_FILLED_BY_THE_DATABASE)),
         correlation_id=correlation_id,
-    )
-
-
-def columns(event: OutboxEvent) -> tuple[uuid.UUID, str, str, str | None, str]:
-    """(message_id, routing_key, body, correlation_id, headers) for a statement that inserts the row itself
-    (its scope and run come from the row it changes)."""
-    return event.message_id, event.routing_key, event.body, event.correlation_id, json.dumps(event.headers)
-
-
-async def write(con: Conn, event: OutboxEvent) -> None:
-    await con.execute(
-        "insert_outbox",
-        event.message_id,
-        event.routing_key,
-        event.body,
-        event.correlation_id,
-        json.dumps(event.headers),
-        event.app,
-        event.tenant,
-        event.run_id,
     )

@@ -1,54 +1,89 @@
 """Every runtime SQL statement, loaded once from ``store/queries/*.sql``.
 
-Each statement sits under a ``-- name --`` header followed by ``--`` description lines that list its
-``$n`` parameters in order. Python code never holds SQL: the store's executor takes a query NAME and looks
-the text up here, so no statement can be built from data (and ruff's S608 watches for any that try).
+Each statement sits under a ``-- name --`` header followed by ``--`` description lines. Python code never
+holds SQL: the store's executor takes a query NAME and looks the text up here, so no statement can be built
+from data (and ruff's S608 watches for any that try).
+
+A statement that calls a transition function names its arguments (``p_run_id => $1``); its Python caller
+passes them by name too (``Conn.call``), and the loader keeps the mapping from names to positions, so no
+caller counts to sixteen. A description line ``-- writes: outbox`` DECLARES that the statement adds outbox
+rows: a process that runs a relay wakes it when such a statement commits (``store/db.py``), and a test
+checks the declarations against the functions the statements call.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from importlib import resources
 from typing import LiteralString
 
 _HEADER = re.compile(r"^-- ([a-z][a-z0-9_]*) --$", re.MULTILINE)
+_NAMED_ARGUMENT = re.compile(r"\bp_([a-z][a-z0-9_]*)\s*=>\s*\$(\d+)")
+_WRITES = re.compile(r"^--\s*writes:\s*(.+)$")
 
 
-def parse(text: str, source: str = "<sql>") -> dict[str, str]:
+@dataclass(frozen=True)
+class Query:
+    name: str
+    sql: LiteralString
+    # For a statement that names its arguments: the names (without ``p_``) in $1, $2, ... order.
+    arguments: tuple[str, ...] | None
+    # What the statement declares it writes besides its own table ("outbox", "inbox").
+    writes: frozenset[str]
+
+
+def _arguments(name: str, sql: str, source: str) -> tuple[str, ...] | None:
+    found = _NAMED_ARGUMENT.findall(sql)
+    if not found:
+        return None
+    by_position = {int(position): argument for argument, position in found}
+    if sorted(by_position) != list(range(1, len(by_position) + 1)) or len(by_position) != len(found):
+        raise ValueError(f"{source}: query {name!r} must name each of $1..$n exactly once")
+    return tuple(by_position[i] for i in range(1, len(by_position) + 1))
+
+
+def parse(text: str, source: str = "<sql>") -> dict[str, Query]:
     """Split one SQL file into its named statements."""
     headers = list(_HEADER.finditer(text))
     if not headers and text.strip():
         raise ValueError(f"{source}: no '-- name --' header")
-    found: dict[str, str] = {}
+    found: dict[str, Query] = {}
     for index, header in enumerate(headers):
+        name = header.group(1)
         end = headers[index + 1].start() if index + 1 < len(headers) else len(text)
-        body_lines = [line for line in text[header.end() : end].splitlines() if not line.lstrip().startswith("--")]
-        body = "\n".join(body_lines).strip().rstrip(";").strip()
+        lines = text[header.end() : end].splitlines()
+        body = "\n".join(line for line in lines if not line.lstrip().startswith("--")).strip().rstrip(";").strip()
         if not body:
-            raise ValueError(f"{source}: query {header.group(1)!r} is empty")
-        if header.group(1) in found:
-            raise ValueError(f"{source}: query {header.group(1)!r} is defined twice")
-        found[header.group(1)] = body
+            raise ValueError(f"{source}: query {name!r} is empty")
+        if name in found:
+            raise ValueError(f"{source}: query {name!r} is defined twice")
+        writes = frozenset(
+            part.strip()
+            for line in lines
+            if (declared := _WRITES.match(line.strip())) is not None
+            for part in declared.group(1).split(",")
+        )
+        # The text comes from files shipped with the package, never from data. mypy reads LiteralString as
+        # str (python/mypy#12554); the name-only executor is the real guard.
+        found[name] = Query(name, body, _arguments(name, body, source), writes)
     return found
 
 
-def load() -> dict[str, LiteralString]:
-    queries: dict[str, LiteralString] = {}
+def load() -> dict[str, Query]:
+    queries: dict[str, Query] = {}
     folder = resources.files("intermission.store").joinpath("queries")
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if not entry.name.endswith(".sql"):
             continue
-        for name, sql in parse(entry.read_text(encoding="utf-8"), entry.name).items():
+        for name, query in parse(entry.read_text(encoding="utf-8"), entry.name).items():
             if name in queries:
                 raise ValueError(f"{entry.name}: query {name!r} is defined twice")
-            # The text comes from files shipped with the package, never from data. mypy reads
-            # LiteralString as str (python/mypy#12554); the name-only executor is the real guard.
-            queries[name] = sql
+            queries[name] = query
     return queries
 
 
-QUERIES: dict[str, LiteralString] = load()
+QUERIES: dict[str, Query] = load()
 
-# The statements that add outbox rows: a process that runs a relay wakes it when one of them commits.
-_OUTBOX_INSERT = re.compile(r"\bINSERT\s+INTO\s+outbox\b", re.IGNORECASE)
-OUTBOX_WRITERS: frozenset[str] = frozenset(name for name, sql in QUERIES.items() if _OUTBOX_INSERT.search(sql))
+# The statements that add outbox rows, as their files declare.
+OUTBOX_WRITERS: frozenset[str] = frozenset(name for name, q in QUERIES.items() if "outbox" in q.writes)

@@ -1,15 +1,16 @@
-"""Agent-reply resumes: the seed's ResumeAdmissionStore, ResumeRecoveryStore, ResumeClosureStore,
+"""Agent-reply resumes: the original's ResumeAdmissionStore, ResumeRecoveryStore, ResumeClosureStore,
 ReplyDiscoveryStore and the resume half of LeasedClaimStore, at the caller's exact scope.
 
 How the exactly-once guarantees are made:
 
-- An ADMISSION is one transaction: the single conditional claim of the pinned ``agent_reply`` pause
-  (``resume_claim_agent_reply``, contending on the run's row lock like every other claim), then the
+- An ADMISSION is one transition (``intermission_admit_resume_v1``): the claim of the pinned
+  ``agent_reply`` pause (the one claim every claimer uses, contending on the run's row lock), then the
   admission row. A caller that loses the claim reads the admission the winner committed and gets it back
   (``fresh`` false) when its request is identical, or a conflict when it is not; it never claims.
-- START, EXPIRY and CLOSURE each begin by locking the run's row FOR UPDATE. Every run writer updates that
-  row, so these serialise with all of them, and start and expiry (which each refuse when the other exists)
-  cannot both commit for one admission: the second to get the lock sees the first's row.
+- START (``intermission_start_resume_v1``), EXPIRY and CLOSURE each begin by locking the run's row FOR
+  UPDATE. Every run writer updates that row, so these serialise with all of them, and start and expiry
+  (which each refuse when the other exists) cannot both commit for one admission: the second to get the
+  lock sees the first's row.
 - Idempotency is by content: each write's request is digested with the one canonical digest, and an
   identical retry returns the stored record before any other check runs, so a retry after a lost
   acknowledgement succeeds even when the world has moved on (the run re-paused, the proof expired).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import re
 import uuid
@@ -47,6 +49,7 @@ from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.ids import RUN_ID_PATTERN
 from intermission.schemas.resume import (
     DIGEST_PATTERN,
+    LEGACY_SCHEMA_VERSION,
     RESUME_SCHEMA_VERSION,
     ResumeAdmission,
     ResumeAdmissionPage,
@@ -57,11 +60,12 @@ from intermission.schemas.resume import (
     ResumeStart,
 )
 from intermission.schemas.run import Lease, RunState
-from intermission.schemas.scope import Scope, require_scope
-from intermission.schemas.suspension import ClaimVersion, Progress, SuspendReason
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion, Progress, Suspension
 from intermission.store import outbox, rows
 from intermission.store.db import Conn, Database
-from intermission.store.progress import save_progress_in
+from intermission.store.runs import end_arguments
+from intermission.store.suspensions import refusal
 
 # ListAgentReplyRuns returns run ids only, so a page of 256 is small.
 MAX_DISCOVERY_PAGE = 256
@@ -75,7 +79,7 @@ _CURSOR_VERSION = 1
 _RUN_ID = re.compile(RUN_ID_PATTERN)
 _DIGEST = re.compile(DIGEST_PATTERN)
 
-# The error a closed run carries. There is no 'incomplete' run state (the state enum is the seed's), so a
+# The error a closed run carries. There is no 'incomplete' run state (the state enum is the original's), so a
 # closure ends the run 'failed' and says incomplete in words; the resume_closed event is the typed record.
 INCOMPLETE_ERROR = "incomplete: resume of suspension {suspension_id} closed under host proof {proof_ref}"
 
@@ -164,10 +168,16 @@ def decode_cursor(scope: Scope, cursor: Any) -> tuple[str, int] | None:
 # --- rows to records -------------------------------------------------------------------------------
 
 
+def _schema_version(row: asyncpg.Record) -> int:
+    """A record's schema version; a row written before versions existed has none and is legacy 0."""
+    version: int | None = row["schema_version"]
+    return LEGACY_SCHEMA_VERSION if version is None else version
+
+
 def _admission(row: asyncpg.Record, *, fresh: bool = False) -> ResumeAdmission:
     scope = Scope(app=row["app"], tenant=row["tenant"])
     return ResumeAdmission(
-        schema_version=row["schema_version"],
+        schema_version=_schema_version(row),
         request=ResumeAdmissionRequest(
             scope=scope,
             version=ClaimVersion(
@@ -185,7 +195,7 @@ def _admission(row: asyncpg.Record, *, fresh: bool = False) -> ResumeAdmission:
 
 def _start_record(row: asyncpg.Record) -> ResumeStart:
     return ResumeStart(
-        schema_version=row["schema_version"],
+        schema_version=_schema_version(row),
         version=ClaimVersion(
             run_id=row["run_id"], suspension_id=row["suspension_id"], run_revision=row["pinned_revision"]
         ),
@@ -197,7 +207,7 @@ def _start_record(row: asyncpg.Record) -> ResumeStart:
 
 def _expiry(row: asyncpg.Record) -> ResumeExpiry:
     return ResumeExpiry(
-        schema_version=row["schema_version"],
+        schema_version=_schema_version(row),
         version=ClaimVersion(
             run_id=row["run_id"], suspension_id=row["suspension_id"], run_revision=row["pinned_revision"]
         ),
@@ -220,144 +230,106 @@ def _closure(row: asyncpg.Record) -> ResumeClosure:
 
 
 class ResumeStore:
-    """Agent-reply resume evidence and the writes that make it, at the caller's exact scope."""
+    """Agent-reply resume evidence and the writes that make it, at one exact scope."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, scope: Scope) -> None:
         self.db = db
+        self.scope = scope
 
     # --- admission ---------------------------------------------------------------------------------
 
-    async def admit_resume(
-        self, scope: Scope, req: ResumeAdmissionRequest, *, correlation_id: str | None = None
-    ) -> ResumeAdmission:
+    async def pause_for(self, version: ClaimVersion) -> Suspension:
+        """The live pause ``version`` pins, read and decoded: NotSuspended when there is none, RunConflict
+        when the run waits on another."""
+        async with self.db.connection() as con:
+            row = await con.fetchrow("get_suspension", version.run_id, self.scope.app, self.scope.tenant)
+        if row is None:
+            raise NotSuspended(f"no live pause for run {version.run_id} at scope {self.scope}")
+        pause = rows.suspension_from_row(row)
+        if pause.id != version.suspension_id:
+            raise RunConflict(f"run {version.run_id} is paused on suspension {pause.id}, not {version.suspension_id}")
+        return pause
+
+    async def admit_resume(self, req: ResumeAdmissionRequest, *, correlation_id: str | None = None) -> ResumeAdmission:
         """Claim the pinned agent_reply pause and retain the reply, in one transaction.
 
         The claim's new revision is the admission's ``claimed_revision``. The identical request again
         returns the stored admission with ``fresh`` false and claims nothing; a changed request for the same
         pause is ResumeAdmissionConflict. An admission never grants execution: StartResume does.
         """
-        require_scope(scope)
-        _check_admission_request(scope, req)
-        return await self._admit(scope, req, None, None, correlation_id)
+        _check_admission_request(self.scope, req)
+        return await self._admit(req, None, None, correlation_id, None)
 
     async def admit_resume_leased(
         self,
-        scope: Scope,
         req: ResumeAdmissionRequest,
         lease: Lease,
         first: Progress | None = None,
         *,
         correlation_id: str | None = None,
+        pause: Suspension | None = None,
     ) -> ResumeAdmission:
         """``admit_resume`` that also takes the run's lease and writes ``first`` in the claiming
         transaction: an admitter that dies before it starts leaves a lease that lapses and the reply in the
-        snapshot. An admission recorded before is returned as it is and takes nothing."""
-        require_scope(scope)
-        _check_admission_request(scope, req)
+        snapshot. An admission recorded before is returned as it is and takes nothing. ``pause`` is the
+        pinned pause when the caller has just read it."""
+        _check_admission_request(self.scope, req)
         _check_lease(lease, req.version.run_id, first)
-        return await self._admit(scope, req, lease, first, correlation_id)
+        return await self._admit(req, lease, first, correlation_id, pause)
 
     async def _admit(
         self,
-        scope: Scope,
         req: ResumeAdmissionRequest,
         lease: Lease | None,
         first: Progress | None,
         correlation_id: str | None,
+        pause: Suspension | None,
     ) -> ResumeAdmission:
         version = req.version
         wanted = req.digest()
-        async with self.db.transaction() as con:
-            # An admission recorded before is returned as it is (or is a conflict) and takes nothing, even
-            # if some other writer has since put the run back on this very pause: the claim never runs.
-            recorded = await self._recorded(con, scope, version, wanted)
-            if recorded is not None:
-                return recorded
-            claimed = await con.fetchrow(
-                "resume_claim_agent_reply",
-                version.run_id,
-                scope.app,
-                scope.tenant,
-                version.suspension_id,
-                version.run_revision,
-                lease.owner if lease is not None else None,
-                lease.ttl_seconds if lease is not None else None,
-            )
-            if claimed is None:
-                # The claim matched nothing. Either this pause was admitted already (by this request's
-                # earlier attempt, or by a rival that won the row lock; its admission is committed by the
-                # time this statement runs), or the pause cannot be claimed at all.
-                return await self._existing_or_refuse(con, scope, version, wanted)
-            suspension = rows.suspension_from_row(claimed)
-            # The pause as read in the claiming transaction; claimed_run is transient and left out of the
-            # digest, so this binds the stored pause and nothing else.
-            suspension_digest = canonical_digest(suspension)
-            claimed_revision: int = claimed["r_revision"]
-            if first is not None:
-                await save_progress_in(con, scope, first)
-            # The admission is the claim: its run.resumed event commits with it (invariant 4).
-            resumed = RunEvent(kind=RunEventKind.RESUMED, run_id=version.run_id, revision=claimed_revision, scope=scope)
-            await outbox.write(con, outbox.run_event(resumed, correlation_id))
-            admitted_at = await con.fetchval(
-                "resume_insert_admission",
-                version.run_id,
-                version.suspension_id,
-                scope.app,
-                scope.tenant,
-                RESUME_SCHEMA_VERSION,
-                version.run_revision,
-                req.input,
-                wanted,
-                suspension_digest,
-                claimed_revision,
-            )
-        return ResumeAdmission(
-            schema_version=RESUME_SCHEMA_VERSION,
-            request=req,
-            request_digest=wanted,
-            suspension_digest=suspension_digest,
-            claimed_revision=claimed_revision,
-            admitted_at=admitted_at,
-            fresh=True,
+        if pause is None:
+            # The digest binds the pause as claimed; a pause row never changes once written, so the one read
+            # here is the one the transition claims (it is pinned to its id) or the claim fails.
+            with contextlib.suppress(NotSuspended, RunConflict):
+                pause = await self.pause_for(version)
+        claimed_revision = version.run_revision + 1
+        resumed = RunEvent(
+            kind=RunEventKind.RESUMED, run_id=version.run_id, revision=claimed_revision, scope=self.scope
         )
-
-    async def _recorded(self, con: Conn, scope: Scope, version: ClaimVersion, wanted: str) -> ResumeAdmission | None:
-        """The admission already recorded for this pause when it is this request's; a conflict when it is
-        another's; None when there is none."""
-        row = await con.fetchrow("resume_get_admission", version.run_id, version.suspension_id, scope.app, scope.tenant)
-        if row is None:
-            return None
-        if row["request_digest"] != wanted:
+        async with self.db.connection() as con:
+            row = await con.fetchrow(
+                "admit_resume",
+                run_id=version.run_id,
+                app=self.scope.app,
+                tenant=self.scope.tenant,
+                suspension_id=version.suspension_id,
+                revision=version.run_revision,
+                lease_owner=lease.owner if lease is not None else None,
+                lease_ttl=lease.ttl_seconds if lease is not None else None,
+                first_continuation=rows.dump(first.continuation) if first is not None else None,
+                first_done=rows.dump_list(rows.DONE, first.done) if first is not None else None,
+                schema_version=RESUME_SCHEMA_VERSION,
+                input=req.input,
+                request_digest=wanted,
+                # The pause as read, its transient fields left out: this binds the stored pause and nothing else.
+                suspension_digest=canonical_digest(pause) if pause is not None else None,
+                **outbox.run_event(resumed, correlation_id).arguments(),
+            )
+        assert row is not None  # the function always returns its one row
+        outcome = row["outcome"]
+        if outcome in ("admitted", "admitted_before"):
+            return _admission(row["admission"], fresh=outcome == "admitted")
+        if outcome == "resume_admission_conflict":
             raise ResumeAdmissionConflict(
                 f"suspension {version.suspension_id} of run {version.run_id} was admitted with a different request"
             )
-        return _admission(row)
-
-    async def _existing_or_refuse(self, con: Conn, scope: Scope, version: ClaimVersion, wanted: str) -> ResumeAdmission:
-        recorded = await self._recorded(con, scope, version, wanted)
-        if recorded is not None:
-            return recorded
-        state = await con.fetchrow("resume_classify_claim", version.run_id, scope.app, scope.tenant)
-        if state is None or state["suspension_id"] is None or state["state"] != RunState.PAUSED.value:
-            raise NotSuspended(f"run {version.run_id} has no live pause at scope {scope}")
-        if state["suspension_id"] != version.suspension_id or state["revision"] != version.run_revision:
-            raise RunConflict(
-                f"run {version.run_id} is paused on suspension {state['suspension_id']} at revision "
-                f"{state['revision']}, not {version.suspension_id} at {version.run_revision}"
-            )
-        if state["reason"] != SuspendReason.AGENT_REPLY.value:
-            raise NotAgentReplyResumable(
-                f"the pause of run {version.run_id} waits on {state['reason']}, not an agent reply"
-            )
-        if state["expired"]:
-            raise SuspensionExpired(f"the pause of run {version.run_id} expired at {state['expires_at'].isoformat()}")
-        # Paused on the pinned agent_reply pause, unexpired, unadmitted, yet unmatched: it moved between the
-        # claim and this read. Somebody else claimed it by another path.
-        raise NotSuspended(f"run {version.run_id} was claimed by another caller")
+        if outcome == "wrong_reason":
+            raise NotAgentReplyResumable(f"the pause of run {version.run_id} does not wait on an agent reply")
+        raise refusal(outcome, row, self.scope, version.run_id, version=version)
 
     # --- start -------------------------------------------------------------------------------------
 
-    async def start_resume(self, scope: Scope, run_id: str, suspension_id: int, digest: str) -> ResumeStart:
+    async def start_resume(self, run_id: str, suspension_id: int, digest: str) -> ResumeStart:
         """The single grant of execution for an admission whose request digest is ``digest``.
 
         Only the fresh start carries the suspension (read in the granting transaction). A retry or a read
@@ -365,27 +337,19 @@ class ResumeStore:
         ResumeAdmissionConflict; no admission is ResumeAdmissionNotFound; an admission that was expired is
         SuspensionExpired (the expiry proved the continuation must not run).
         """
-        require_scope(scope)
         self._check_key(run_id, suspension_id, digest)
-        return await self._start(scope, run_id, suspension_id, digest, None, None)
+        return await self._start(run_id, suspension_id, digest, None, None)
 
     async def start_resume_leased(
-        self,
-        scope: Scope,
-        run_id: str,
-        suspension_id: int,
-        digest: str,
-        lease: Lease,
-        first: Progress | None = None,
+        self, run_id: str, suspension_id: int, digest: str, lease: Lease, first: Progress | None = None
     ) -> ResumeStart:
         """``start_resume`` that takes the run's lease, whoever held it, and writes ``first`` in the
         granting transaction: the one worker allowed to execute holds the run from then on. The revision
         stays the admission's claimed_revision. A start recorded before is returned as it is and takes
         nothing."""
-        require_scope(scope)
         self._check_key(run_id, suspension_id, digest)
         _check_lease(lease, run_id, first)
-        return await self._start(scope, run_id, suspension_id, digest, lease, first)
+        return await self._start(run_id, suspension_id, digest, lease, first)
 
     @staticmethod
     def _check_key(run_id: str, suspension_id: int, digest: str) -> None:
@@ -395,74 +359,58 @@ class ResumeStore:
             raise InvalidArgument("digest must be the admission's request digest (lowercase hex SHA-256)")
 
     async def _start(
-        self,
-        scope: Scope,
-        run_id: str,
-        suspension_id: int,
-        digest: str,
-        lease: Lease | None,
-        first: Progress | None,
+        self, run_id: str, suspension_id: int, digest: str, lease: Lease | None, first: Progress | None
     ) -> ResumeStart:
+        where = f"suspension {suspension_id} of run {run_id}"
+        # The grant and the decoding of the pause it hands over share one transaction: a pause that cannot
+        # be read rolls the grant back, rather than leaving a committed start whose suspension nobody got.
         async with self.db.transaction() as con:
-            run = await con.fetchrow("resume_lock_run", run_id, scope.app, scope.tenant)
-            admission = await self._admission_for(con, scope, run_id, suspension_id, digest)
-            existing = await con.fetchrow("resume_get_start", run_id, suspension_id, scope.app, scope.tenant)
-            if existing is not None:
-                return _start_record(existing)
-            expiry = await con.fetchrow("resume_get_expiry", run_id, suspension_id, scope.app, scope.tenant)
-            if expiry is not None:
+            row = await con.fetchrow(
+                "start_resume",
+                run_id=run_id,
+                app=self.scope.app,
+                tenant=self.scope.tenant,
+                suspension_id=suspension_id,
+                digest=digest,
+                lease_owner=lease.owner if lease is not None else None,
+                lease_ttl=lease.ttl_seconds if lease is not None else None,
+                first_continuation=rows.dump(first.continuation) if first is not None else None,
+                first_done=rows.dump_list(rows.DONE, first.done) if first is not None else None,
+                schema_version=RESUME_SCHEMA_VERSION,
+            )
+            assert row is not None  # the function always returns its one row
+            outcome = row["outcome"]
+            if outcome == "no_admission":
+                raise ResumeAdmissionNotFound(f"no admission for {where} at scope {self.scope}")
+            if outcome == "digest_conflict":
+                raise ResumeAdmissionConflict(f"the admission of {where} has another request digest")
+            if outcome == "expired":
                 raise SuspensionExpired(
-                    f"the admission of suspension {suspension_id} of run {run_id} expired at "
-                    f"{expiry['expired_at'].isoformat()}; it can never start"
+                    f"the admission of {where} expired at {row['expired_at'].isoformat()}; it can never start"
                 )
-            if run is None or run["state"] != RunState.RUNNING.value or run["revision"] != admission.claimed_revision:
-                where = "gone" if run is None else f"{run['state']} at revision {run['revision']}"
-                raise RunConflict(
-                    f"run {run_id} is {where}; the admission claimed it at revision {admission.claimed_revision}"
-                )
-            pause = await con.fetchrow("resume_get_pause", run_id, suspension_id, scope.app, scope.tenant)
-            if pause is None:
+            if outcome == "run_conflict":
+                run = row["run"]
+                now = "gone" if run is None else f"{run['state']} at revision {run['revision']}"
+                raise RunConflict(f"run {run_id} is {now}; its admission claimed it at another revision")
+            if outcome == "pause_gone":
                 # The continuation to execute is gone, so there is nothing this grant could hand over.
                 raise NotSuspended(f"the admitted pause {suspension_id} of run {run_id} is gone")
-            # Decoded INSIDE the transaction: a pause that cannot be read must roll the grant back, not leave
-            # a committed start whose suspension nobody ever received.
-            suspension = rows.suspension_from_row(pause)
-            if lease is not None:
-                moved = await con.fetchrow(
-                    "resume_move_lease", run_id, scope.app, scope.tenant, lease.owner, lease.ttl_seconds
-                )
-                assert moved is not None  # the row is locked and running: checked above
-                run = moved
-                if first is not None:
-                    await save_progress_in(con, scope, first)
-            started_at = await con.fetchval(
-                "resume_insert_start",
-                run_id,
-                suspension_id,
-                scope.app,
-                scope.tenant,
-                RESUME_SCHEMA_VERSION,
-                admission.request.version.run_revision,
-                admission.request_digest,
+            record = _start_record(row["start"])
+            if outcome == "started_before":
+                return record
+            return record.model_copy(
+                update={
+                    "fresh": True,
+                    "suspension": rows.suspension_from_row(row["pause"]),
+                    "run": rows.run_from_row(row["run"]),
+                }
             )
-            suspension.claimed_run = rows.run_from_row(run)
-        return ResumeStart(
-            schema_version=RESUME_SCHEMA_VERSION,
-            version=admission.request.version,
-            scope=scope,
-            request_digest=admission.request_digest,
-            started_at=started_at,
-            fresh=True,
-            suspension=suspension,
-        )
 
-    async def _admission_for(
-        self, con: Conn, scope: Scope, run_id: str, suspension_id: int, digest: str
-    ) -> ResumeAdmission:
-        row = await con.fetchrow("resume_get_admission", run_id, suspension_id, scope.app, scope.tenant)
+    async def _admission_for(self, con: Conn, run_id: str, suspension_id: int, digest: str) -> ResumeAdmission:
+        row = await con.fetchrow("resume_get_admission", run_id, suspension_id, self.scope.app, self.scope.tenant)
         if row is None:
             raise ResumeAdmissionNotFound(
-                f"no admission for suspension {suspension_id} of run {run_id} at scope {scope}"
+                f"no admission for suspension {suspension_id} of run {run_id} at scope {self.scope}"
             )
         if row["request_digest"] != digest:
             raise ResumeAdmissionConflict(
@@ -472,40 +420,37 @@ class ResumeStore:
 
     # --- reads -------------------------------------------------------------------------------------
 
-    async def get_resume_admission(self, scope: Scope, run_id: str, suspension_id: int) -> ResumeAdmission:
-        require_scope(scope)
+    async def get_resume_admission(self, run_id: str, suspension_id: int) -> ResumeAdmission:
         _check_run_id(run_id)
         _check_suspension_id(suspension_id)
         async with self.db.connection() as con:
-            row = await con.fetchrow("resume_get_admission", run_id, suspension_id, scope.app, scope.tenant)
+            row = await con.fetchrow("resume_get_admission", run_id, suspension_id, self.scope.app, self.scope.tenant)
         if row is None:
             raise ResumeAdmissionNotFound(
-                f"no admission for suspension {suspension_id} of run {run_id} at scope {scope}"
+                f"no admission for suspension {suspension_id} of run {run_id} at scope {self.scope}"
             )
         return _admission(row)
 
-    async def latest_resume_admission(self, scope: Scope, run_id: str) -> ResumeAdmission:
+    async def latest_resume_admission(self, run_id: str) -> ResumeAdmission:
         """The run's admission with the highest suspension id: its latest admitted pause."""
-        require_scope(scope)
         _check_run_id(run_id)
         async with self.db.connection() as con:
-            row = await con.fetchrow("resume_latest_admission", run_id, scope.app, scope.tenant)
+            row = await con.fetchrow("resume_latest_admission", run_id, self.scope.app, self.scope.tenant)
         if row is None:
-            raise ResumeAdmissionNotFound(f"no admission for run {run_id} at scope {scope}")
+            raise ResumeAdmissionNotFound(f"no admission for run {run_id} at scope {self.scope}")
         return _admission(row)
 
-    async def list_resume_admissions(self, scope: Scope, cursor: str, limit: int) -> ResumeAdmissionPage:
+    async def list_resume_admissions(self, cursor: str, limit: int) -> ResumeAdmissionPage:
         """Exact-scope admission history in (run id, suspension id) order, ``limit`` (1 to
         MAX_ADMISSION_PAGE) at a time. ``cursor`` is "" for the first page, then the page's ``next``;
         ``next`` is "" on the last page."""
-        require_scope(scope)
         bounded = _check_limit(limit, MAX_ADMISSION_PAGE)
-        after = decode_cursor(scope, cursor)
+        after = decode_cursor(self.scope, cursor)
         async with self.db.connection() as con:
             found = await con.fetch(
                 "resume_list_admissions",
-                scope.app,
-                scope.tenant,
+                self.scope.app,
+                self.scope.tenant,
                 after[0] if after is not None else None,
                 after[1] if after is not None else None,
                 # One more than asked says whether another page exists, so the last page never hands out a
@@ -515,43 +460,46 @@ class ResumeStore:
         page = [_admission(r) for r in found[:bounded]]
         more = len(found) > bounded
         last = page[-1].request.version if page else None
-        next_cursor = encode_cursor(scope, last.run_id, last.suspension_id) if more and last else ""
+        next_cursor = encode_cursor(self.scope, last.run_id, last.suspension_id) if more and last else ""
         return ResumeAdmissionPage(admissions=page, next=next_cursor)
 
-    async def get_resume_start(self, scope: Scope, run_id: str, suspension_id: int) -> ResumeStart:
+    async def get_resume_start(self, run_id: str, suspension_id: int) -> ResumeStart:
         """A recorded start, never with its suspension: reading a start grants nothing."""
-        require_scope(scope)
         _check_run_id(run_id)
         _check_suspension_id(suspension_id)
         async with self.db.connection() as con:
-            row = await con.fetchrow("resume_get_start", run_id, suspension_id, scope.app, scope.tenant)
+            row = await con.fetchrow("resume_get_start", run_id, suspension_id, self.scope.app, self.scope.tenant)
         if row is None:
-            raise ResumeAdmissionNotFound(f"no start for suspension {suspension_id} of run {run_id} at scope {scope}")
+            raise ResumeAdmissionNotFound(
+                f"no start for suspension {suspension_id} of run {run_id} at scope {self.scope}"
+            )
         return _start_record(row)
 
-    async def get_resume_expiry(self, scope: Scope, run_id: str, suspension_id: int) -> ResumeExpiry:
-        require_scope(scope)
+    async def get_resume_expiry(self, run_id: str, suspension_id: int) -> ResumeExpiry:
         _check_run_id(run_id)
         _check_suspension_id(suspension_id)
         async with self.db.connection() as con:
-            row = await con.fetchrow("resume_get_expiry", run_id, suspension_id, scope.app, scope.tenant)
+            row = await con.fetchrow("resume_get_expiry", run_id, suspension_id, self.scope.app, self.scope.tenant)
         if row is None:
-            raise ResumeAdmissionNotFound(f"no expiry for suspension {suspension_id} of run {run_id} at scope {scope}")
+            raise ResumeAdmissionNotFound(
+                f"no expiry for suspension {suspension_id} of run {run_id} at scope {self.scope}"
+            )
         return _expiry(row)
 
-    async def get_resume_closure(self, scope: Scope, run_id: str, suspension_id: int) -> ResumeClosure:
-        require_scope(scope)
+    async def get_resume_closure(self, run_id: str, suspension_id: int) -> ResumeClosure:
         _check_run_id(run_id)
         _check_suspension_id(suspension_id)
         async with self.db.connection() as con:
-            row = await con.fetchrow("resume_get_closure", run_id, suspension_id, scope.app, scope.tenant)
+            row = await con.fetchrow("resume_get_closure", run_id, suspension_id, self.scope.app, self.scope.tenant)
         if row is None:
-            raise ResumeAdmissionNotFound(f"no closure for suspension {suspension_id} of run {run_id} at scope {scope}")
+            raise ResumeAdmissionNotFound(
+                f"no closure for suspension {suspension_id} of run {run_id} at scope {self.scope}"
+            )
         return _closure(row)
 
     # --- expiry ------------------------------------------------------------------------------------
 
-    async def expire_resume_admission(self, scope: Scope, run_id: str, suspension_id: int, digest: str) -> ResumeExpiry:
+    async def expire_resume_admission(self, run_id: str, suspension_id: int, digest: str) -> ResumeExpiry:
         """Record that the admission expired before it started, with its run_events row, under the run's
         lock that start shares. An existing start is ResumeAlreadyStarted (it may have executed: only a
         closure can end that). The identical retry returns the stored expiry with ``fresh`` false.
@@ -560,11 +508,11 @@ class ResumeStore:
         execution and releases nothing; ending the run (failed, expired) is the lease holder's end_run,
         so expiry never needs the lease and never races the holder's own end.
         """
-        require_scope(scope)
         self._check_key(run_id, suspension_id, digest)
+        scope = self.scope
         async with self.db.transaction() as con:
             run = await con.fetchrow("resume_lock_run", run_id, scope.app, scope.tenant)
-            admission = await self._admission_for(con, scope, run_id, suspension_id, digest)
+            admission = await self._admission_for(con, run_id, suspension_id, digest)
             existing = await con.fetchrow("resume_get_expiry", run_id, suspension_id, scope.app, scope.tenant)
             if existing is not None:
                 return _expiry(existing)
@@ -604,18 +552,19 @@ class ResumeStore:
 
     # --- closure -----------------------------------------------------------------------------------
 
-    async def close_resume(self, scope: Scope, request: ResumeClosureRequest) -> ResumeClosure:
+    async def close_resume(self, request: ResumeClosureRequest) -> ResumeClosure:
         """End an uncertain start as incomplete, with its receipt and run_events row, in one transaction.
 
         Call it through ResumeCloser: the store checks evidence, not authority. Under the run's row lock
         (serialised with every run writer) the request must bind the run's LATEST admission, that
         admission's start, and the run's CURRENT revision, and the proof must not have expired by the
-        database clock. The run then fails with an error that says incomplete (there is no 'incomplete'
-        state), revision + 1, lease, progress and pause removed, and a ``run.failed`` event goes to the
-        outbox. The identical request again returns the original receipt with ``fresh`` false, whatever
-        happened since (the proof expiring included); a changed request is ResumeAdmissionConflict.
+        database clock. The run then ends through the end transition, failed with an error that says
+        incomplete (there is no 'incomplete' state): revision + 1, lease, progress and pause removed, and a
+        ``run.failed`` event in the outbox. The identical request again returns the original receipt with
+        ``fresh`` false, whatever happened since (the proof expiring included); a changed request is
+        ResumeAdmissionConflict.
         """
-        require_scope(scope)
+        scope = self.scope
         if not isinstance(request, ResumeClosureRequest):
             raise InvalidArgument("a closure request is required")
         frozen, wanted = request.freeze()
@@ -636,14 +585,39 @@ class ResumeStore:
                 raise ResumeAdmissionNotFound(f"no run {run_id} at scope {scope}")
             if frozen.expires_at <= run["db_now"]:
                 raise Forbidden(f"the closure proof expired at {frozen.expires_at.isoformat()}")
-            await self._check_binding(con, scope, frozen, run)
+            await self._check_binding(con, frozen, run)
             error = INCOMPLETE_ERROR.format(suspension_id=suspension_id, proof_ref=frozen.proof_ref)
+            event_id = uuid.uuid4()
+            # No lease: the closure holds the run's row lock and binds the revision it just checked.
             revision = await con.fetchval(
-                "resume_close_run", run_id, scope.app, scope.tenant, frozen.run_revision, error
+                "end_run",
+                owner=None,
+                at_revision=frozen.run_revision,
+                **end_arguments(
+                    scope,
+                    run_id,
+                    RunEventKind.FAILED,
+                    output=None,
+                    error=error,
+                    correlation_id=None,
+                    own_messages=None,
+                    run_event_id=event_id,
+                    run_event_kind="resume_closed",
+                    run_event_data={
+                        "outcome": "incomplete",
+                        "suspension_id": suspension_id,
+                        "request_digest": wanted,
+                        "admission_digest": frozen.admission_digest,
+                        "start_digest": frozen.start_digest,
+                        "actor": frozen.actor,
+                        "issuer": frozen.issuer,
+                        "issuer_revision": frozen.issuer_revision,
+                        "proof_ref": frozen.proof_ref,
+                        "proof_digest": frozen.proof_digest,
+                    },
+                ),
             )
             assert revision is not None  # locked, running, at the bound revision: checked above
-            await con.execute("resume_drop_run_leftovers", run_id)
-            event_id = uuid.uuid4()
             closed_at = await con.fetchval(
                 "resume_insert_closure",
                 run_id,
@@ -655,27 +629,6 @@ class ResumeStore:
                 wanted,
                 event_id,
                 revision,
-                json.dumps(
-                    {
-                        "outcome": "incomplete",
-                        "suspension_id": suspension_id,
-                        "request_digest": wanted,
-                        "admission_digest": frozen.admission_digest,
-                        "start_digest": frozen.start_digest,
-                        "actor": frozen.actor,
-                        "issuer": frozen.issuer,
-                        "issuer_revision": frozen.issuer_revision,
-                        "proof_ref": frozen.proof_ref,
-                        "proof_digest": frozen.proof_digest,
-                    }
-                ),
-            )
-            await outbox.write(
-                con,
-                outbox.run_event(
-                    RunEvent(kind=RunEventKind.FAILED, run_id=run_id, revision=revision, scope=scope, error=error),
-                    None,
-                ),
             )
         return ResumeClosure(
             request=frozen,
@@ -686,8 +639,9 @@ class ResumeStore:
             fresh=True,
         )
 
-    async def _check_binding(self, con: Conn, scope: Scope, req: ResumeClosureRequest, run: asyncpg.Record) -> None:
+    async def _check_binding(self, con: Conn, req: ResumeClosureRequest, run: asyncpg.Record) -> None:
         """The request must describe the world as it is under the lock, or it closes something else."""
+        scope = self.scope
         version = req.version
         latest = await con.fetchrow("resume_latest_admission", version.run_id, scope.app, scope.tenant)
         if latest is None:
@@ -717,12 +671,11 @@ class ResumeStore:
 
     # --- discovery ---------------------------------------------------------------------------------
 
-    async def list_agent_reply_runs(self, scope: Scope, after: str, limit: int) -> list[str]:
-        """Run ids at the exact scope with a retained agent_reply pause (expired and already admitted ones
+    async def list_agent_reply_runs(self, after: str, limit: int) -> list[str]:
+        """Run ids at this scope with a retained agent_reply pause (expired and already admitted ones
         included) or a running admission whose pause may be gone, ascending strictly after ``after``
         ("" for the start). ``limit`` must be 1 to 256. Hosts reconcile interrupted execution from here,
         with LatestResumeAdmission."""
-        require_scope(scope)
         bounded = _check_limit(limit, MAX_DISCOVERY_PAGE)
         if after != "":
             try:
@@ -730,5 +683,5 @@ class ResumeStore:
             except InvalidArgument as exc:
                 raise InvalidArgument("after must be a run id, or empty for the first page") from exc
         async with self.db.connection() as con:
-            found = await con.fetch("resume_list_agent_reply_runs", scope.app, scope.tenant, after, bounded)
+            found = await con.fetch("resume_list_agent_reply_runs", self.scope.app, self.scope.tenant, after, bounded)
         return [r["run_id"] for r in found]

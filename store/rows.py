@@ -102,42 +102,62 @@ def run_from_row(row: asyncpg.Record, prefix: str = "") -> Run:
     )
 
 
-def suspension_from_row(row: asyncpg.Record) -> Suspension:
+def suspension_from_row(row: asyncpg.Record, prefix: str = "") -> Suspension:
+    def col(name: str) -> Any:
+        return row[prefix + name]
+
     return Suspension(
-        id=row["id"],
-        run_id=row["run_id"],
-        scope=Scope(app=row["app"], tenant=row["tenant"]),
-        reason=SuspendReason(row["reason"]),
-        pending=_load_list(PENDING, row["pending"], "pending calls"),
-        continuation=load_model(Continuation, row["continuation"], "continuation"),
-        checkpoint_id=row["checkpoint_id"],
-        approvers=list(row["approvers"]),
-        expires_at=row["expires_at"],
-        created_at=row["created_at"],
+        id=col("id"),
+        run_id=col("run_id"),
+        scope=Scope(app=col("app"), tenant=col("tenant")),
+        reason=SuspendReason(col("reason")),
+        pending=_load_list(PENDING, col("pending"), "pending calls"),
+        continuation=load_model(Continuation, col("continuation"), "continuation"),
+        checkpoint_id=col("checkpoint_id"),
+        approvers=list(col("approvers")),
+        expires_at=col("expires_at"),
+        created_at=col("created_at"),
     )
 
 
 def progress_from_row(row: asyncpg.Record) -> Progress:
-    ending_raw = row["ending"]
+    return _progress(row, "", row["run_id"], Scope(app=row["app"], tenant=row["tenant"]), row["owner"])
+
+
+def taken_progress(row: asyncpg.Record, run: Run) -> Progress | None:
+    """The snapshot a takeover adopted (``row`` is a progress row), now owned by the run's new lease owner;
+    None when the run had none."""
+    if row is None:
+        return None
+    return _progress(row, "", run.id, run.scope, run.lease_owner or row["owner"])
+
+
+def _progress(row: asyncpg.Record, prefix: str, run_id: str, scope: Scope, owner: str) -> Progress:
+    def col(name: str) -> Any:
+        return row[prefix + name]
+
+    ending_raw = col("ending")
     return Progress(
-        run_id=row["run_id"],
-        scope=Scope(app=row["app"], tenant=row["tenant"]),
-        owner=row["owner"],
-        continuation=load_model(Continuation, row["continuation"], "progress continuation"),
-        started=_load_list(STARTED, row["started"], "progress started"),
-        done=_load_list(DONE, row["done"], "progress done"),
+        run_id=run_id,
+        scope=scope,
+        owner=owner,
+        continuation=load_model(Continuation, col("continuation"), "progress continuation"),
+        started=_load_list(STARTED, col("started"), "progress started"),
+        done=_load_list(DONE, col("done"), "progress done"),
         ending=None if ending_raw is None else load_model(Ending, ending_raw, "progress ending"),
-        approved=_load_list(CALL_IDS, row["approved"], "progress approved"),
-        updated_at=row["updated_at"],
+        approved=_load_list(CALL_IDS, col("approved"), "progress approved"),
+        updated_at=col("updated_at"),
     )
 
 
-def progress_columns(p: Progress) -> tuple[str, str, str, str | None, str]:
-    """(continuation, started, done, ending, approved) as column values."""
-    return (
-        dump(p.continuation),
-        dump_list(STARTED, p.started),
-        dump_list(DONE, p.done),
-        None if p.ending is None else dump(p.ending),
-        dump_list(CALL_IDS, p.approved),
-    )
+def progress_arguments(p: Progress, prefix: str = "", *, continuation: bool = True) -> dict[str, str | None]:
+    """A snapshot as the named arguments of a transition (``continuation``, ``started``, ``done``,
+    ``ending``, ``approved``, each with ``prefix``). Without ``continuation`` that one is None: the
+    transition takes it from the row it claims, and it is not encoded for nothing."""
+    return {
+        f"{prefix}continuation": dump(p.continuation) if continuation else None,
+        f"{prefix}started": dump_list(STARTED, p.started),
+        f"{prefix}done": dump_list(DONE, p.done),
+        f"{prefix}ending": None if p.ending is None else dump(p.ending),
+        f"{prefix}approved": dump_list(CALL_IDS, p.approved),
+    }

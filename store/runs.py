@@ -1,9 +1,11 @@
-"""Run writes: create, lease renewal and release, takeover, pause and end.
+"""Runs at one exact scope: create, read, lease renewal and release, takeover, pause and end.
 
-Every state change is one transaction that also writes what it causes: a pause writes the suspension, the
-approval checkpoint, the run's move to paused (revision + 1), the removal of its progress and its Notice
-in the outbox; an end writes the terminal state, its metadata event and its ``run.*`` event. Only the
-holder of a live lease may pause or end a running run; anyone else gets RunLeaseLost and writes nothing.
+Each state change is one call of its transition (``store/migrations/0005_transitions.sql``), which writes
+everything the change causes in the same transaction: a pause writes the suspension, the approval
+checkpoint, the run's move to paused (revision + 1), the removal of its progress and its Notice; an end
+writes the terminal state, the run's own messages into its session, its metadata event and its ``run.*``
+event. Only the holder of a live lease may pause or end a running run; anyone else gets RunLeaseLost and
+writes nothing.
 """
 
 from __future__ import annotations
@@ -14,17 +16,24 @@ import uuid
 from dataclasses import dataclass, field
 
 from intermission.schemas.digest import digest
-from intermission.schemas.errors import InvalidArgument, RunExists, RunLeaseLost, RunNotFound, RunNotReclaimable
+from intermission.schemas.errors import (
+    InvalidArgument,
+    MessageIdConflict,
+    RunExists,
+    RunLeaseLost,
+    RunNotFound,
+    RunNotReclaimable,
+)
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.llm import Message
 from intermission.schemas.run import Lease, NewRun, Run, RunState
-from intermission.schemas.scope import Scope, require_scope
+from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, Notice, PendingCall, Progress, SuspendReason, Suspension
 from intermission.store import outbox, rows
 from intermission.store.db import Conn, Database
-from intermission.store.progress import save_progress_in
+from intermission.store.inbox import AlreadyApplied, Receipt
 
-_END_STATES: dict[RunEventKind, RunState] = {
+END_STATES: dict[RunEventKind, RunState] = {
     RunEventKind.COMPLETED: RunState.COMPLETED,
     RunEventKind.FAILED: RunState.FAILED,
     RunEventKind.CANCELLED: RunState.CANCELLED,
@@ -66,14 +75,14 @@ class Reclaimed:
     progress: Progress | None
 
 
-def _check_lease(lease: Lease) -> None:
+def check_lease(lease: Lease) -> None:
     if not lease.is_set:
         raise RunLeaseLost("a lease needs both an owner and a ttl")
 
 
 def check_new_run(new: NewRun, lease: Lease | None, first: Progress | None) -> None:
     if lease is not None:
-        _check_lease(lease)
+        check_lease(lease)
     if first is not None:
         if lease is None or first.owner != lease.owner:
             raise RunLeaseLost("the first progress snapshot must be owned by the lease owner")
@@ -86,179 +95,222 @@ def start_digest(scope: Scope, new: NewRun) -> str:
     return digest({"scope": scope, "run": new})
 
 
-class RunStore:
-    def __init__(self, db: Database) -> None:
-        self.db = db
+def end_arguments(
+    scope: Scope,
+    run_id: str,
+    kind: RunEventKind,
+    *,
+    output: str | None,
+    error: str | None,
+    correlation_id: str | None,
+    own_messages: list[Message] | None,
+    run_event_id: uuid.UUID | None = None,
+    run_event_kind: str | None = None,
+    run_event_data: dict[str, object] | None = None,
+) -> dict[str, object]:
+    """Everything the end transition takes but who may end the run (``owner``, ``at_revision``)."""
+    state = END_STATES.get(kind)
+    if state is None:
+        raise InvalidArgument(f"{kind.value} is not an end")
+    # The event's revision is the one the end gives the run; the transition adds it.
+    event = RunEvent(kind=kind, run_id=run_id, revision=0, scope=scope, output=output, error=error)
+    announced = outbox.run_event(event, correlation_id, revision_known=False)
+    return {
+        "run_id": run_id,
+        "app": scope.app,
+        "tenant": scope.tenant,
+        "state": state.value,
+        "output": output,
+        "error": error,
+        # Encoded here, before the statement: a message that cannot be stored (U+0000) is refused typed,
+        # with nothing written.
+        "messages": rows.dump_list(rows.MESSAGES, own_messages) if own_messages else None,
+        "checkpoint_reason": error or kind.value,
+        "run_event_id": run_event_id or uuid.uuid4(),
+        "run_event_kind": run_event_kind or kind.value,
+        "run_event_data": json.dumps(
+            run_event_data if run_event_data is not None else {"output": output, "error": error}
+        ),
+        "event": announced.body,
+        **announced.arguments(body=False),
+    }
 
-    async def create_run(
-        self, scope: Scope, new: NewRun, lease: Lease | None = None, first: Progress | None = None
-    ) -> CreatedRun:
+
+async def start_in(
+    con: Conn,
+    scope: Scope,
+    new: NewRun,
+    lease: Lease | None,
+    first: Progress | None,
+    receipt: Receipt | None,
+) -> CreatedRun:
+    """The start transition on ``con``: the run (with its first snapshot and the command's inbox record)."""
+    check_new_run(new, lease, first)
+    row = await con.fetchrow(
+        "start_run",
+        run_id=new.run_id,
+        app=scope.app,
+        tenant=scope.tenant,
+        agent_id=new.agent_id,
+        input=new.input,
+        config=rows.dump(new.config),
+        script=None if new.script is None else rows.dump_list(rows.SCRIPT, new.script),
+        pause_ttl_seconds=new.pause_ttl_seconds,
+        session_id=new.session_id or new.run_id,
+        start_digest=start_digest(scope, new),
+        lease_owner=lease.owner if lease is not None else None,
+        lease_ttl=lease.ttl_seconds if lease is not None else None,
+        first_continuation=rows.dump(first.continuation) if first is not None else None,
+        message_id=receipt.message_id if receipt is not None else None,
+        routing_key=receipt.routing_key if receipt is not None else None,
+        digest=receipt.body_digest if receipt is not None else None,
+    )
+    assert row is not None  # the function always returns its one row
+    outcome = row["outcome"]
+    if outcome == "duplicate":
+        assert receipt is not None
+        raise AlreadyApplied(receipt.message_id, "applied")
+    if outcome == "message_id_conflict":
+        assert receipt is not None
+        raise MessageIdConflict(f"message_id {receipt.message_id} was used for a different command")
+    if outcome == "run_exists":
+        raise RunExists(f"run id {new.run_id} holds a different run")
+    return CreatedRun(rows.run_from_row(row["run"]), fresh=outcome == "created")
+
+
+class RunStore:
+    def __init__(self, db: Database, scope: Scope) -> None:
+        self.db = db
+        self.scope = scope
+
+    async def create_run(self, new: NewRun, lease: Lease | None = None, first: Progress | None = None) -> CreatedRun:
         """Create a run: running under ``lease`` (with its first snapshot) when one is given.
 
         The caller picks the run id. The identical start again returns the stored run with ``fresh``
         false and changes nothing; a different start under the same id is RunExists.
         """
-        require_scope(scope)
         check_new_run(new, lease, first)
-        async with self.db.transaction() as con:
-            return await create_run_in(con, scope, new, lease, first)
-
-    async def get_run(self, scope: Scope, run_id: str) -> Run:
-        require_scope(scope)
         async with self.db.connection() as con:
-            row = await con.fetchrow("get_run", run_id, scope.app, scope.tenant)
+            return await start_in(con, self.scope, new, lease, first, None)
+
+    async def get_run(self, run_id: str) -> Run:
+        async with self.db.connection() as con:
+            row = await con.fetchrow("get_run", run_id, self.scope.app, self.scope.tenant)
         if row is None:
-            raise RunNotFound(f"no run {run_id} at scope {scope}")
+            raise RunNotFound(f"no run {run_id} at scope {self.scope}")
         return rows.run_from_row(row)
 
-    async def renew_lease(self, scope: Scope, run_id: str, lease: Lease) -> None:
+    async def renew_lease(self, run_id: str, lease: Lease) -> None:
         """Extend a live lease. A lease that lapsed or passed to someone else is RunLeaseLost: its holder
         must stop at once and write nothing more."""
-        require_scope(scope)
-        _check_lease(lease)
+        check_lease(lease)
         async with self.db.connection() as con:
-            expires = await con.fetchval("renew_lease", run_id, scope.app, scope.tenant, lease.owner, lease.ttl_seconds)
+            expires = await con.fetchval(
+                "renew_lease", run_id, self.scope.app, self.scope.tenant, lease.owner, lease.ttl_seconds
+            )
         if expires is None:
             raise RunLeaseLost(f"{lease.owner} no longer holds run {run_id}")
 
-    async def release_lease(self, scope: Scope, run_id: str, owner: str) -> bool:
+    async def release_lease(self, run_id: str, owner: str) -> bool:
         """Let a held lease lapse now (a graceful stop), so another worker may take the run at once."""
-        require_scope(scope)
         async with self.db.connection() as con:
-            return await con.fetchval("release_lease", run_id, scope.app, scope.tenant, owner) is not None
+            return await con.fetchval("release_lease", run_id, self.scope.app, self.scope.tenant, owner) is not None
 
-    async def claim_continuation_leased(
-        self, scope: Scope, run_id: str, lease: Lease, first: Progress | None = None
-    ) -> Run:
+    async def claim_continuation_leased(self, run_id: str, lease: Lease, first: Progress | None = None) -> Run:
         """Take over a running run whose lease lapsed, under ``lease``, writing ``first`` in the same
-        transaction. The revision does not change."""
-        require_scope(scope)
-        _check_lease(lease)
+        transaction (or handing its snapshot over as it stands). The revision does not change."""
+        check_lease(lease)
         if first is not None and first.owner != lease.owner:
             raise RunLeaseLost("the first progress snapshot must be owned by the lease owner")
         if first is not None and first.run_id != run_id:
             raise InvalidArgument("the first progress snapshot is for another run")
+        snapshot = rows.progress_arguments(first, "first_") if first is not None else {}
         async with self.db.transaction() as con:
             row = await con.fetchrow(
-                "claim_continuation_leased", run_id, scope.app, scope.tenant, lease.owner, lease.ttl_seconds
+                "take_over",
+                owner=lease.owner,
+                lease_ttl=lease.ttl_seconds,
+                limit=1,
+                run_id=run_id,
+                app=self.scope.app,
+                tenant=self.scope.tenant,
+                first_continuation=snapshot.get("first_continuation"),
+                first_started=snapshot.get("first_started"),
+                first_done=snapshot.get("first_done"),
+                first_ending=snapshot.get("first_ending"),
+                first_approved=snapshot.get("first_approved"),
             )
             if row is None:
-                if await con.fetchrow("get_run", run_id, scope.app, scope.tenant) is None:
-                    raise RunNotFound(f"no run {run_id} at scope {scope}")
+                if await con.fetchrow("get_run", run_id, self.scope.app, self.scope.tenant) is None:
+                    raise RunNotFound(f"no run {run_id} at scope {self.scope}")
                 raise RunNotReclaimable(f"run {run_id} is not running under a lapsed lease")
-            if first is not None:
-                await save_progress_in(con, scope, first)
-            else:
-                # The snapshot belongs to whoever holds the run: hand it over with the lease.
-                await con.execute("adopt_progress", [run_id], lease.owner)
-            return rows.run_from_row(row)
+            return rows.run_from_row(row["run"])
 
-    async def reclaim_lapsed(self, lease: Lease, limit: int) -> list[Reclaimed]:
-        """The reclaim sweep's cross-scope take: up to ``limit`` running runs whose lease lapsed, each under
-        ``lease`` with its progress handed over, skipping runs another worker is taking right now."""
-        _check_lease(lease)
-        if limit < 1:
-            raise InvalidArgument("limit must be at least 1")
-        async with self.db.transaction() as con:
-            taken = [
-                rows.run_from_row(r) for r in await con.fetch("reclaim_lapsed", lease.owner, lease.ttl_seconds, limit)
-            ]
-            if not taken:
-                return []
-            adopted = {
-                p.run_id: p
-                for p in map(
-                    rows.progress_from_row,
-                    await con.fetch("adopt_progress", [run.id for run in taken], lease.owner),
-                )
-            }
-        return [Reclaimed(run, adopted.get(run.id)) for run in taken]
-
-    async def pause_run(
-        self,
-        scope: Scope,
-        run_id: str,
-        owner: str,
-        pause: Pause,
-        *,
-        correlation_id: str | None = None,
-    ) -> Paused:
+    async def pause_run(self, run_id: str, owner: str, pause: Pause, *, correlation_id: str | None = None) -> Paused:
         """Pause a running run held by ``owner``, in ONE transaction: the run moves to paused with its
         revision bumped and its lease cleared, any old pause is removed, the new suspension (and for an
         approval its checkpoint) is written, the progress is dropped and the Notice goes to the outbox."""
-        require_scope(scope)
         if not pause.pending:
             raise InvalidArgument("a pause needs at least one pending call")
         if pause.ttl_seconds is not None and not (math.isfinite(pause.ttl_seconds) and pause.ttl_seconds >= 0):
-            # NaN compares false both ways: unchecked it would read as "no deadline" below.
+            # NaN compares false both ways: unchecked it would read as "no deadline".
             raise InvalidArgument("a pause ttl must be a finite, non-negative number of seconds")
-        async with self.db.transaction() as con:
-            moved = await con.fetchrow(
+        # The Notice as far as it is known here; the pause's transaction adds its id, deadline, checkpoint
+        # and the run's new revision.
+        known = Notice(
+            suspension_id=0,
+            run_id=run_id,
+            run_revision=0,
+            reason=pause.reason,
+            pending=pause.pending,
+            approvers=pause.approvers,
+            scope=self.scope,
+        )
+        event = outbox.notice_event(known, correlation_id)
+        async with self.db.connection() as con:
+            row = await con.fetchrow(
                 "pause_run",
-                run_id,
-                scope.app,
-                scope.tenant,
-                owner,
-                pause.continuation.step_index,
-                pause.continuation.tokens_used,
-            )
-            if moved is None:
-                raise RunLeaseLost(f"{owner or 'an empty owner'} does not hold run {run_id}")
-            ttl = pause.ttl_seconds if pause.ttl_seconds is not None else float(moved["pause_ttl_seconds"])
-            if ttl < 0:
-                raise InvalidArgument("a pause ttl must not be negative")
-            await con.execute("delete_run_suspension", run_id)
-            created = await con.fetchrow(
-                "create_suspension",
-                run_id,
-                scope.app,
-                scope.tenant,
-                pause.reason.value,
-                rows.dump_list(rows.PENDING, pause.pending),
-                rows.dump(pause.continuation),
-                None,
-                ttl if ttl > 0 else None,
-                None,
-                pause.approvers,
-            )
-            assert created is not None  # the run row is ours: the pause_run update just matched it
-            checkpoint_id: int | None = None
-            if pause.reason is SuspendReason.APPROVAL:
-                checkpoint_id = await con.fetchval(
-                    "insert_checkpoint", run_id, created["id"], scope.app, scope.tenant, pause.approvers
-                )
-                await con.execute("set_suspension_checkpoint", created["id"], checkpoint_id)
-            await con.execute("delete_run_progress", run_id)
-            suspension = Suspension(
-                id=created["id"],
                 run_id=run_id,
-                scope=scope,
-                reason=pause.reason,
-                pending=pause.pending,
-                continuation=pause.continuation,
-                expires_at=created["expires_at"],
-                checkpoint_id=checkpoint_id,
+                app=self.scope.app,
+                tenant=self.scope.tenant,
+                owner=owner,
+                reason=pause.reason.value,
+                pending=rows.dump_list(rows.PENDING, pause.pending),
+                continuation=rows.dump(pause.continuation),
                 approvers=pause.approvers,
-                created_at=created["created_at"],
+                ttl=pause.ttl_seconds,
+                step_count=pause.continuation.step_index,
+                tokens_used=pause.continuation.tokens_used,
+                notice=event.body,
+                **event.arguments(body=False),
             )
-            notice = Notice(
-                suspension_id=suspension.id,
-                run_id=run_id,
-                run_revision=moved["revision"],
-                reason=pause.reason,
-                pending=pause.pending,
-                expires_at=suspension.expires_at,
-                checkpoint_id=checkpoint_id,
-                approvers=pause.approvers,
-                scope=scope,
-            )
-            await _event(con, scope, run_id, "paused", moved["revision"], {"suspension_id": suspension.id})
-            await outbox.write(con, outbox.notice_event(notice, correlation_id))
+        if row is None or row["revision"] is None:
+            raise RunLeaseLost(f"{owner or 'an empty owner'} does not hold run {run_id}")
+        written = row["pause"]
+        suspension = Suspension(
+            id=written["id"],
+            run_id=run_id,
+            scope=self.scope,
+            reason=pause.reason,
+            pending=pause.pending,
+            continuation=pause.continuation,
+            expires_at=written["expires_at"],
+            checkpoint_id=written["checkpoint_id"],
+            approvers=pause.approvers,
+            created_at=written["created_at"],
+        )
+        notice = known.model_copy(
+            update={
+                "suspension_id": suspension.id,
+                "run_revision": row["revision"],
+                "expires_at": suspension.expires_at,
+                "checkpoint_id": suspension.checkpoint_id,
+            }
+        )
         return Paused(suspension, notice)
 
     async def end_run(
         self,
-        scope: Scope,
         run_id: str,
         owner: str,
         kind: RunEventKind,
@@ -267,91 +319,28 @@ class RunStore:
         error: str | None = None,
         correlation_id: str | None = None,
         own_messages: list[Message] | None = None,
-        at_revision: int | None = None,
     ) -> RunEvent:
         """End a running run held by ``owner``, in ONE transaction with its metadata event and its
         ``run.<kind>`` event: progress and any pause are removed, undecided checkpoints are closed, and the
-        run's OWN messages (never its loaded history) are appended to the session it started in.
-
-        ``at_revision`` is the run's revision as the caller holds it: given, the end is first tried as ONE
-        statement pinned to it (``end_run_at_once``: one round trip instead of nine); if that matches
-        nothing (the lease is gone, or the revision is not the caller's), nothing was written and the
-        step-by-step transaction below decides, as it always has."""
-        require_scope(scope)
-        state = _END_STATES.get(kind)
-        if state is None:
-            raise InvalidArgument(f"{kind.value} is not an end")
-        if at_revision is not None:
-            ended_at_once = await self._end_at_once(
-                scope, run_id, owner, kind, state, output, error, correlation_id, own_messages, at_revision
-            )
-            if ended_at_once is not None:
-                return ended_at_once
-        async with self.db.transaction() as con:
-            ended = await con.fetchrow("end_run", run_id, scope.app, scope.tenant, owner, state.value, output, error)
-            if ended is None:
-                raise RunLeaseLost(f"{owner or 'an empty owner'} does not hold run {run_id}")
-            revision: int = ended["revision"]
-            if own_messages:
-                await con.execute(
-                    "append_session",
-                    scope.app,
-                    scope.tenant,
-                    ended["session_id"],
-                    run_id,
-                    rows.dump_list(rows.MESSAGES, own_messages),
-                )
-            await con.execute("delete_run_progress", run_id)
-            await con.execute("delete_run_suspension", run_id)
-            await con.execute("close_pending_checkpoints", run_id, "rejected", error or kind.value)
-            event = RunEvent(kind=kind, run_id=run_id, revision=revision, scope=scope, output=output, error=error)
-            await _event(con, scope, run_id, kind.value, revision, {"output": output, "error": error})
-            await outbox.write(con, outbox.run_event(event, correlation_id))
-        return event
-
-    async def _end_at_once(
-        self,
-        scope: Scope,
-        run_id: str,
-        owner: str,
-        kind: RunEventKind,
-        state: RunState,
-        output: str | None,
-        error: str | None,
-        correlation_id: str | None,
-        own_messages: list[Message] | None,
-        revision: int,
-    ) -> RunEvent | None:
-        """``end_run`` as one statement; None when it matched nothing (and so wrote nothing)."""
-        event = RunEvent(kind=kind, run_id=run_id, revision=revision + 1, scope=scope, output=output, error=error)
-        announced = outbox.run_event(event, correlation_id)
-        # Encoded before the statement, like the step-by-step path: a message that cannot be stored
-        # (U+0000) is refused here, typed, with nothing written.
-        messages = rows.dump_list(rows.MESSAGES, own_messages) if own_messages else None
+        run's OWN messages (never its loaded history) are appended to the session it started in."""
+        named = end_arguments(
+            self.scope,
+            run_id,
+            kind,
+            output=output,
+            error=error,
+            correlation_id=correlation_id,
+            own_messages=own_messages,
+        )
         async with self.db.connection() as con:
-            ended = await con.fetchval(
-                "end_run_at_once",
-                run_id,
-                scope.app,
-                scope.tenant,
-                owner,
-                state.value,
-                output,
-                error,
-                revision,
-                messages,
-                error or kind.value,
-                uuid.uuid4(),
-                kind.value,
-                json.dumps({"output": output, "error": error}),
-                *outbox.columns(announced),
-            )
-        return event if ended is not None else None
+            revision = await con.fetchval("end_run", owner=owner, at_revision=None, **named)
+        if revision is None:
+            raise RunLeaseLost(f"{owner or 'an empty owner'} does not hold run {run_id}")
+        return RunEvent(kind=kind, run_id=run_id, revision=revision, scope=self.scope, output=output, error=error)
 
-    async def list_run_events(self, scope: Scope, run_id: str) -> list[dict[str, object]]:
-        require_scope(scope)
+    async def list_run_events(self, run_id: str) -> list[dict[str, object]]:
         async with self.db.connection() as con:
-            found = await con.fetch("list_run_events", run_id, scope.app, scope.tenant)
+            found = await con.fetch("list_run_events", run_id, self.scope.app, self.scope.tenant)
         return [
             {
                 "event_id": r["event_id"],
@@ -361,47 +350,3 @@ class RunStore:
             }
             for r in found
         ]
-
-
-async def _event(con: Conn, scope: Scope, run_id: str, kind: str, revision: int, data: dict[str, object]) -> None:
-    await con.execute(
-        "insert_run_event", uuid.uuid4(), run_id, scope.app, scope.tenant, kind, revision, json.dumps(data)
-    )
-
-
-async def create_run_in(
-    con: Conn, scope: Scope, new: NewRun, lease: Lease | None = None, first: Progress | None = None
-) -> CreatedRun:
-    """``RunStore.create_run`` inside a transaction the caller holds."""
-    require_scope(scope)
-    check_new_run(new, lease, first)
-    wanted = start_digest(scope, new)
-    row = await con.fetchrow(
-        "create_run",
-        new.run_id,
-        scope.app,
-        scope.tenant,
-        new.agent_id,
-        new.input,
-        rows.dump(new.config),
-        None if new.script is None else rows.dump_list(rows.SCRIPT, new.script),
-        new.pause_ttl_seconds,
-        new.session_id or new.run_id,
-        wanted,
-        lease.owner if lease is not None else None,
-        lease.ttl_seconds if lease is not None else None,
-    )
-    if row is None:
-        existing = await con.fetchrow("run_start_digest", new.run_id)
-        if (
-            existing is None
-            or existing["start_digest"] != wanted
-            or (existing["app"], existing["tenant"]) != (scope.app, scope.tenant)
-        ):
-            raise RunExists(f"run id {new.run_id} holds a different run")
-        stored = await con.fetchrow("get_run", new.run_id, scope.app, scope.tenant)
-        assert stored is not None
-        return CreatedRun(rows.run_from_row(stored), fresh=False)
-    if first is not None:
-        await save_progress_in(con, scope, first)
-    return CreatedRun(rows.run_from_row(row), fresh=True)

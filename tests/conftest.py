@@ -1,19 +1,45 @@
-"""Fixtures shared by every tier: a real PostgreSQL, a fresh database per test."""
+"""Fixtures shared by every tier, one per resource: a real PostgreSQL with a fresh database per test, an
+inspector of its rows, the store over it, a worker and its clients on the test's own RabbitMQ vhost
+(``tests/support/amqp.py``), and the tier markers, applied by folder."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from intermission.agent.loop import default_executor
+from intermission.fleet.settings import Settings
+from intermission.fleet.worker import Worker, running_worker
+from intermission.publishers.clients import BusClient, HostClient
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
 from tests.support import pg
+from tests.support.fleet import fast_settings
+from tests.support.inspect import Inspector, inspector
+
+if TYPE_CHECKING:
+    # Types only: importing the plugin module here would defeat pytest's assertion rewriting of it.
+    from tests.support.amqp import Broker, Vhost
+
+TESTS = Path(__file__).resolve().parent
 
 # RabbitMQ fixtures: a vhost per test, captures, real test users, a broker restart.
 pytest_plugins = ["tests.support.amqp"]
+
+# Each folder is a tier, marked as such: run one with -m (``-m "not soak"``, ``-m unit``).
+TIERS = {"unit", "integration", "acceptance", "soak", "bench"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = Path(str(item.path)).relative_to(TESTS).parts[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+
 
 MakeStores = Callable[[int], Awaitable[list[Stores]]]
 
@@ -74,6 +100,42 @@ async def make_stores(database_url: str) -> AsyncIterator[MakeStores]:
 
     yield make
     await asyncio.gather(*(s.close() for s in opened))
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[Inspector]:
+    """The test database seen from outside the store: a raw connection of its own."""
+    async with inspector(database_url) as i:
+        yield i
+
+
+@pytest.fixture
+def settings(database_url: str, amqp_url: str, rabbit: Broker) -> Settings:
+    """A worker's settings over the test's database and vhost: short leases, the test bus user."""
+    from tests.support.amqp import DELIVERY_LIMIT
+
+    return fast_settings(database_url, amqp_url=amqp_url, bus_user=rabbit.bus.name, delivery_limit=DELIVERY_LIMIT)
+
+
+@pytest.fixture
+async def worker(settings: Settings, stores: Stores) -> AsyncIterator[Worker]:
+    """A whole worker (consumers, relay, fleet) in this process, over ``stores``."""
+    async with running_worker(settings, executor=default_executor(), stores=stores) as w:
+        yield w
+
+
+@pytest.fixture
+async def host(amqp_vhost: Vhost, rabbit: Broker) -> AsyncIterator[HostClient]:
+    """A host client connected as the test's host user."""
+    async with await HostClient.connect(amqp_vhost.url(rabbit.host), name="test host") as client:
+        yield client
+
+
+@pytest.fixture
+async def bus(amqp_vhost: Vhost, rabbit: Broker) -> AsyncIterator[BusClient]:
+    """The messaging bus's client, connected as the test's bus user."""
+    async with await BusClient.connect(amqp_vhost.url(rabbit.bus), name="test bus") as client:
+        yield client
 
 
 @pytest.fixture

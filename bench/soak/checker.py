@@ -4,7 +4,7 @@ captured from ``intermission.events`` and every message that reached ``intermiss
 them with what the harness did (the ledger). Each broken invariant is a ``Violation`` that names the run or
 the message, what was expected and what was found.
 
-The invariants (DESIGN.md section 4, as the soak can observe them):
+The invariants (docs/invariants.md, as the soak can observe them):
 
 - ``runs_settled``: every run ended, or is paused with exactly one live suspension (the one of its last
   pause), as its plan allows; an ended run holds no suspension, no progress and no lease; no run exists

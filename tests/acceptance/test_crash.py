@@ -109,7 +109,7 @@ async def settle(stores: Stores, scope: Scope, survivor: Worker, run_ids: list[s
         await survivor.drain(wait_for_lapsed=True)
         paused = []
         for run_id in run_ids:
-            run = await stores.runs.get_run(scope, run_id)
+            run = await stores.at(scope).runs.get_run(run_id)
             keys = await outbox_keys(stores, scope, run_id)
             notices = sum(k.startswith("notice.") for k in keys)
             resumed = sum(k.startswith("run.resumed.") for k in keys)
@@ -125,7 +125,7 @@ async def settle(stores: Stores, scope: Scope, survivor: Worker, run_ids: list[s
         if not paused:
             return
         for run in paused:
-            s = await stores.suspensions.get_suspension(scope, run.id)
+            s = await stores.at(scope).suspensions.get_suspension(run.id)
             await survivor.control.resume(
                 ResumeCommand(
                     scope=scope,
@@ -142,7 +142,7 @@ async def assert_no_call_ran_twice(stores: Stores, scope: Scope, run_ids: list[s
         counts = await charges(stores, run_id)
         assert all(times == 1 for times in counts.values()), f"{run_id} charged twice: {counts}"
         ledger[run_id] = counts
-        run = await stores.runs.get_run(scope, run_id)
+        run = await stores.at(scope).runs.get_run(run_id)
         assert run.state is RunState.COMPLETED, (run_id, run.state, run.error)
     return ledger
 
@@ -150,7 +150,7 @@ async def assert_no_call_ran_twice(stores: Stores, scope: Scope, run_ids: list[s
 async def unknown_outcomes(stores: Stores, scope: Scope, run_id: str) -> set[str]:
     return {
         m.tool_call_id
-        for m in await stores.sessions.load(scope, run_id)
+        for m in await stores.at(scope).sessions.load(run_id)
         if m.role is Role.TOOL and "outcome unknown" in m.content
     }
 
@@ -164,8 +164,8 @@ async def test_killed_right_after_a_resume_claim_committed(
     await survivor.drain()
     plan = []
     for c in commands:
-        s = await stores.suspensions.get_suspension(scope, c.run_id)
-        run = await stores.runs.get_run(scope, c.run_id)
+        s = await stores.at(scope).suspensions.get_suspension(c.run_id)
+        run = await stores.at(scope).runs.get_run(c.run_id)
         resume = ResumeCommand(
             scope=scope,
             version=ClaimVersion(run_id=c.run_id, suspension_id=s.id, run_revision=run.revision),
@@ -175,9 +175,9 @@ async def test_killed_right_after_a_resume_claim_committed(
 
     await crash_worker(database_url, plan, points.AFTER_CLAIM)
 
-    first = await stores.runs.get_run(scope, commands[0].run_id)
+    first = await stores.at(scope).runs.get_run(commands[0].run_id)
     assert first.state is RunState.RUNNING  # claimed by the dead worker, held by nobody alive
-    progress = await stores.progress.get_progress(scope, first.id)
+    progress = await stores.at(scope).progress.get_progress(first.id)
     assert [r.content for r in progress.done] == ["looked up"]  # the snapshot already carries the answer
     await settle(stores, scope, survivor, [c.run_id for c in commands])
     ledger = await assert_no_call_ran_twice(stores, scope, [c.run_id for c in commands])
@@ -220,7 +220,7 @@ async def test_killed_right_after_a_pause_committed(
     commands, plan = start_steps(scope, CHARGE_THEN_LOOKUP)
     await crash_worker(database_url, plan, points.AFTER_PAUSE)
     run_ids = await created(stores, scope, commands)
-    paused = [r for r in run_ids if (await stores.runs.get_run(scope, r)).state is RunState.PAUSED]
+    paused = [r for r in run_ids if (await stores.at(scope).runs.get_run(r)).state is RunState.PAUSED]
     assert paused, "no run had paused when the worker died"
     for run_id in paused:
         assert await suspension_count(stores, run_id) == 1

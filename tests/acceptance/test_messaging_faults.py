@@ -8,11 +8,8 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from intermission.agent.loop import default_executor
 from intermission.fleet import points
@@ -25,8 +22,8 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import Notice
 from intermission.store import Stores
-from tests.support.amqp import DELIVERY_LIMIT, Broker, Vhost
-from tests.support.fleet import fast_settings, outbox_keys
+from tests.support.amqp import Broker
+from tests.support.fleet import outbox_keys
 from tests.support.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,17 +38,6 @@ def start(scope: Scope, *turns: dict[str, Any]) -> StartCommand:
         input="hi",
         script=[ScriptTurn.model_validate(t) for t in turns],
     )
-
-
-@pytest.fixture
-def settings(database_url: str, amqp_url: str, rabbit: Broker) -> Settings:
-    return fast_settings(database_url, amqp_url=amqp_url, bus_user=rabbit.bus.name, delivery_limit=DELIVERY_LIMIT)
-
-
-@pytest.fixture
-async def host(amqp_vhost: Vhost, rabbit: Broker, amqp_url: str) -> AsyncIterator[HostClient]:
-    async with await HostClient.connect(amqp_vhost.url(rabbit.host), name="test host") as client:
-        yield client
 
 
 def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
@@ -110,13 +96,13 @@ async def test_a_command_redelivered_after_its_worker_died_between_commit_and_ac
         _, err = await proc.communicate()
     assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
     # The effect committed (the claim, its lease, the inbox record) and the message was never acknowledged.
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.RUNNING
 
     async with running_worker(settings, executor=default_executor(), stores=stores) as survivor:
 
         async def completed() -> bool:
-            return (await stores.runs.get_run(scope, cmd.run_id)).state is RunState.COMPLETED
+            return (await stores.at(scope).runs.get_run(cmd.run_id)).state is RunState.COMPLETED
 
         await eventually(completed, within=WAIT, what="the run completed by the survivor")
         await survivor.drain()

@@ -45,7 +45,7 @@ async def test_sigterm_releases_runs_at_their_next_boundary(stores: Stores, scop
 
     async def inside_first_step() -> bool:
         # The sleep call is saved as the step's assistant turn; its handler is sleeping.
-        return (await stores.progress.get_progress(scope, cmd.run_id)).continuation.step_index == 1
+        return (await stores.at(scope).progress.get_progress(cmd.run_id)).continuation.step_index == 1
 
     await eventually(inside_first_step, what="the run entered its first step")
     proc.send_signal(signal.SIGTERM)
@@ -53,9 +53,9 @@ async def test_sigterm_releases_runs_at_their_next_boundary(stores: Stores, scop
         _, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
 
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.RUNNING
-    progress = await stores.progress.get_progress(scope, cmd.run_id)
+    progress = await stores.at(scope).progress.get_progress(cmd.run_id)
     assert progress.continuation.step_index == 1  # stopped at the boundary after the sleep step
     assert not progress.started
     async with stores.db.connection() as con:
@@ -64,7 +64,7 @@ async def test_sigterm_releases_runs_at_their_next_boundary(stores: Stores, scop
     survivor = worker(stores, fast_settings(database_url, lease_seconds=30, lease_renew_seconds=5))
     async with asyncio.timeout(30):
         await survivor.fleet.drain()
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.output) == (RunState.COMPLETED, "finished")
     assert await charges(stores, cmd.run_id) == {"call-1-0": 1}
     await survivor.fleet.stop(grace=1)

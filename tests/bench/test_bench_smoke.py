@@ -18,8 +18,6 @@ import pytest
 
 from tests.support.amqp import Broker
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 LATENCY = {"p50", "p90", "p99", "max", "count"}
 CPU = {"python", "postgres", "rabbitmq", "driver", "machine_busy", "other"}

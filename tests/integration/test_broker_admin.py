@@ -11,8 +11,6 @@ import pytest
 from tests.support.amqp import Broker, Vhost, declare_topology
 from tests.support.rabbitctl import delete_expression, rabbitmqctl
 
-pytestmark = pytest.mark.integration
-
 SUPERVISOR_ALIVE = "is_pid(whereis(rabbit_fifo_dlx_sup))."
 
 

@@ -37,13 +37,13 @@ from intermission.wire import (
     Command,
     rejected_key,
 )
+from tests.support import outbox as support_outbox
 from tests.support.factories import paused_run, running_run
 
 if TYPE_CHECKING:
     # Types only: importing tests.support.amqp here would defeat pytest's assertion rewriting of the plugin.
     from tests.support.amqp import Broker, CaptureFactory, ConnectionFactory, Vhost
 
-pytestmark = pytest.mark.integration
 # The broker fixtures (a vhost per test, captures, the test users) until tests/conftest.py lists them.
 
 WITHIN = 10.0
@@ -76,14 +76,10 @@ async def reject(stores: Stores, scope: Scope, message_id: str) -> str:
             detail="no pause",
             scope=scope,
         ).model_dump_json(),
-        app=scope.app,
-        tenant=scope.tenant,
-        run_id=None,
         correlation_id=message_id,
     )
-    async with stores.db.transaction() as con:
-        await outbox.write(con, event)
-    return str(event.message_id)
+    (written,) = await support_outbox.insert(stores, scope, event)
+    return written
 
 
 async def test_host_client_publishes_the_command_contract(
@@ -201,8 +197,8 @@ async def test_host_subscription_hears_its_scope_only_typed(
             paused = await paused_run(stores, scope, reason=SuspendReason.APPROVAL, approvers=["alice"])
             await reject(stores, other_scope, "cmd-other")
             run, held = await running_run(stores, scope)
-            await stores.runs.end_run(
-                scope, run.id, held.owner, RunEventKind.COMPLETED, output="done", correlation_id="cmd-end"
+            await stores.at(scope).runs.end_run(
+                run.id, held.owner, RunEventKind.COMPLETED, output="done", correlation_id="cmd-end"
             )
             rejected_id = await reject(stores, scope, "cmd-bad")
             assert await relay.run_once() == 5

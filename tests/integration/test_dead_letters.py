@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 
 import aio_pika
-import pytest
 
-from intermission.agent.loop import default_executor
-from intermission.fleet.worker import Worker, running_worker
+from intermission.fleet.worker import Worker
 from intermission.ops.dead import list_dead, replay_dead
 from intermission.publishers.clients import HostClient, version_of
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
@@ -21,16 +18,8 @@ from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import Notice
 from intermission.store import Stores
 from intermission.wire import DEAD_EXCHANGE, ERROR_HEADER, SCHEMA_VERSION_HEADER, Command
-from tests.support.amqp import DELIVERY_LIMIT, Broker, ConnectionFactory, Vhost
-from tests.support.fleet import fast_settings
+from tests.support.amqp import Broker, ConnectionFactory, Vhost
 from tests.support.waiting import eventually
-
-
-@pytest.fixture
-async def worker(stores: Stores, database_url: str, amqp_url: str, rabbit: Broker) -> AsyncIterator[Worker]:
-    settings = fast_settings(database_url, amqp_url=amqp_url, bus_user=rabbit.bus.name, delivery_limit=DELIVERY_LIMIT)
-    async with running_worker(settings, executor=default_executor(), stores=stores) as w:
-        yield w
 
 
 async def test_dead_letters_are_listed_in_place_and_replayed_once_fixed(
@@ -97,7 +86,7 @@ async def test_dead_letters_are_listed_in_place_and_replayed_once_fixed(
         assert [d.message_id for d in replayed] == [kept_failing]
 
         async def completed() -> bool:
-            return (await stores.runs.get_run(scope, run_id)).state is RunState.COMPLETED
+            return (await stores.at(scope).runs.get_run(run_id)).state is RunState.COMPLETED
 
         await eventually(completed, what="the replayed resume applied")
         assert [d.message_id for d in await list_dead(connection)] == [refused]

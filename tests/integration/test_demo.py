@@ -17,7 +17,7 @@ async def test_the_demo_completes_a_run_for_each_pause_reason(stores: Stores, da
     for reason in ("external_tool", "approval", "agent_reply"):
         assert f"paused ({reason})" in text
     assert "Done: 3 of 3 runs completed" in text
-    runs = await stores.operations.list_runs(RunState.COMPLETED, 10)
+    runs = await stores.across_scopes.list_runs(RunState.COMPLETED, 10)
     assert {r.id.split("-")[0] for r in runs} == {"weather", "invoice", "quote"}
     async with stores.db.connection() as con:
         assert await con.raw.fetchval("SELECT count(*) FROM demo_charges") == 1

@@ -20,9 +20,9 @@ async def test_a_plugged_in_model_runs_pauses_and_resumes(stores: Stores, scope:
     cmd = start_command(scope, [], input="capital of France")
     await control.start(cmd)
     await fleet.drain()
-    s = await stores.suspensions.get_suspension(scope, cmd.run_id)
+    s = await stores.at(scope).suspensions.get_suspension(cmd.run_id)
     assert s.pending[0].arguments == '{"query": "capital of France"}'
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     await control.resume(
         ResumeCommand(
             scope=scope,
@@ -31,6 +31,6 @@ async def test_a_plugged_in_model_runs_pauses_and_resumes(stores: Stores, scope:
         )
     )
     await fleet.drain()
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.output) == (RunState.COMPLETED, "I found: Paris")
     await fleet.stop(grace=1)

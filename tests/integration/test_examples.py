@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 
-import pytest
-
-from intermission.agent.loop import default_executor
-from intermission.fleet.worker import Worker, running_worker
+from intermission.fleet.worker import Worker
 from intermission.publishers.clients import HostClient
 from intermission.schemas.commands import StartCommand
 from intermission.schemas.run import RunState
@@ -17,16 +13,8 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.store import Stores
 from tests.examples.host_and_bus import bus_answers_one_ask, host_runs_a_lookup
-from tests.support.amqp import DELIVERY_LIMIT, Broker, Vhost
-from tests.support.fleet import fast_settings
+from tests.support.amqp import Broker, Vhost
 from tests.support.waiting import eventually
-
-
-@pytest.fixture
-async def worker(stores: Stores, database_url: str, amqp_url: str, rabbit: Broker) -> AsyncIterator[Worker]:
-    settings = fast_settings(database_url, amqp_url=amqp_url, bus_user=rabbit.bus.name, delivery_limit=DELIVERY_LIMIT)
-    async with running_worker(settings, executor=default_executor(), stores=stores) as w:
-        yield w
 
 
 async def test_the_host_example(worker: Worker, scope: Scope, amqp_vhost: Vhost, rabbit: Broker) -> None:
@@ -53,6 +41,6 @@ async def test_the_bus_example(worker: Worker, stores: Stores, scope: Scope, amq
             assert await answering == run_id
 
     async def completed() -> bool:
-        return (await stores.runs.get_run(scope, run_id)).state is RunState.COMPLETED
+        return (await stores.at(scope).runs.get_run(run_id)).state is RunState.COMPLETED
 
     await eventually(completed, within=30, what="the asked run completed")

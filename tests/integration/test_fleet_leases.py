@@ -43,7 +43,7 @@ async def table_state(stores: Stores, run_id: str) -> dict[str, Any]:
 
 async def in_first_step(stores: Stores, scope: Scope, run_id: str) -> bool:
     """The step that calls sleep is saved; its handler is sleeping."""
-    return (await stores.progress.get_progress(scope, run_id)).continuation.step_index == 1
+    return (await stores.at(scope).progress.get_progress(run_id)).continuation.step_index == 1
 
 
 async def lapse(stores: Stores, run_id: str) -> None:
@@ -67,8 +67,8 @@ async def test_a_worker_whose_lease_was_taken_over_writes_nothing_more(stores: S
 
     await lapse(stores, run.id)
     new = Lease(owner="worker-new", ttl_seconds=30)
-    await stores.runs.claim_continuation_leased(
-        scope, run.id, new, Progress(run_id=run.id, owner=new.owner, continuation=continuation(step=3))
+    await stores.at(scope).runs.claim_continuation_leased(
+        run.id, new, Progress(run_id=run.id, owner=new.owner, continuation=continuation(step=3))
     )
     before = await table_state(stores, run.id)
 
@@ -92,10 +92,10 @@ async def test_a_worker_whose_lease_was_taken_over_writes_nothing_more(stores: S
     with pytest.raises(RunLeaseLost):
         await fresh_ctx.complete("stolen")
     with pytest.raises(RunLeaseLost):
-        await stores.runs.renew_lease(scope, run.id, old)
+        await stores.at(scope).runs.renew_lease(run.id, old)
 
     assert await table_state(stores, run.id) == before
-    progress = await stores.progress.get_progress(scope, run.id)
+    progress = await stores.at(scope).progress.get_progress(run.id)
     assert (progress.owner, progress.continuation.step_index) == ("worker-new", 3)
 
 
@@ -103,7 +103,7 @@ async def test_the_keeper_renews_and_reports_a_lost_lease(stores: Stores, scope:
     held = Lease(owner="keeper-test", ttl_seconds=2)
     run, _ = await running_run(stores, scope, holder=held)
     lost = asyncio.Event()
-    keeper = LeaseKeeper(stores.runs, scope, run.id, held, renew_every=0.05, on_lost=lost.set)
+    keeper = LeaseKeeper(stores.at(scope).runs, run.id, held, renew_every=0.05, on_lost=lost.set)
     keeping = asyncio.create_task(keeper.keep())
 
     async def expiry() -> Any:
@@ -119,11 +119,11 @@ async def test_the_keeper_renews_and_reports_a_lost_lease(stores: Stores, scope:
     assert not lost.is_set()
 
     await lapse(stores, run.id)
-    await stores.runs.claim_continuation_leased(scope, run.id, Lease(owner="thief", ttl_seconds=30))
+    await stores.at(scope).runs.claim_continuation_leased(run.id, Lease(owner="thief", ttl_seconds=30))
     async with asyncio.timeout(10):
         await lost.wait()
     await keeping
-    assert (await stores.runs.get_run(scope, run.id)).lease_owner == "thief"
+    assert (await stores.at(scope).runs.get_run(run.id)).lease_owner == "thief"
 
 
 async def test_a_lost_lease_cancels_the_run_in_the_fleet(stores: Stores, scope: Scope, database_url: str) -> None:
@@ -134,12 +134,12 @@ async def test_a_lost_lease_cancels_the_run_in_the_fleet(stores: Stores, scope: 
     task = next(iter(w.fleet._tasks.values()))
     await eventually(lambda: in_first_step(stores, scope, cmd.run_id), what="the sleep step began")
     await lapse(stores, cmd.run_id)
-    await stores.runs.claim_continuation_leased(scope, cmd.run_id, Lease(owner="thief", ttl_seconds=30))
+    await stores.at(scope).runs.claim_continuation_leased(cmd.run_id, Lease(owner="thief", ttl_seconds=30))
     before = await table_state(stores, cmd.run_id)
     async with asyncio.timeout(10):
         await task  # cancelled by its keeper, not by the 30 s sleep ending
     assert await table_state(stores, cmd.run_id) == before
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.lease_owner) == (RunState.RUNNING, "thief")
     await w.fleet.stop(grace=1)
 
@@ -159,17 +159,17 @@ async def test_a_graceful_stop_releases_runs_at_a_boundary_for_another_worker(
     await first.control.start(cmd)
     await eventually(lambda: in_first_step(stores, scope, cmd.run_id), what="the sleep step began")
     await first.fleet.stop(grace=10)  # the sleep step finishes, then the run stops at its boundary
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.RUNNING
     async with stores.db.connection() as con:
         assert await con.raw.fetchval("SELECT lease_expires_at <= now() FROM runs WHERE id = $1", cmd.run_id)
-    progress = await stores.progress.get_progress(scope, cmd.run_id)
+    progress = await stores.at(scope).progress.get_progress(cmd.run_id)
     assert progress.continuation.step_index == 1
     assert not progress.started
 
     second = worker(stores, fast_settings(database_url))
     await second.drain()  # the released lease is taken over at once: no 30 s wait
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.output) == (RunState.COMPLETED, "finished")
     assert await charges(stores, cmd.run_id) == {"call-1-0": 1}
     await second.fleet.stop(grace=1)

@@ -55,8 +55,8 @@ async def w(stores: Stores, database_url: str) -> AsyncIterator[Worker]:
 
 
 async def pause_of(stores: Stores, scope: Scope, run_id: str) -> tuple[Suspension, int]:
-    s = await stores.suspensions.get_suspension(scope, run_id)
-    run = await stores.runs.get_run(scope, run_id)
+    s = await stores.at(scope).suspensions.get_suspension(run_id)
+    run = await stores.at(scope).runs.get_run(run_id)
     assert run.state is RunState.PAUSED
     return s, run.revision
 
@@ -86,7 +86,7 @@ async def test_external_tool_pause_and_resume(stores: Stores, scope: Scope, w: W
     await w.control.resume(answer, correlation_id="m-resume")
     await w.drain()
 
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.COMPLETED
     assert run.output == "sunny"
     assert run.revision == revision + 2  # the claim, then the end
@@ -97,7 +97,7 @@ async def test_external_tool_pause_and_resume(stores: Stores, scope: Scope, w: W
         f"run.completed.{scope.app}.{scope.tenant}",
     ]
     # The tool result reached the model as the call's answer, in the run's session.
-    history = await stores.sessions.load(scope, cmd.run_id)
+    history = await stores.at(scope).sessions.load(cmd.run_id)
     assert [m.content for m in history if m.role is Role.TOOL] == ["rain"]
 
 
@@ -140,7 +140,7 @@ async def test_approval_approved_runs_the_call_through_the_approval_path(
     await w.control.decide(decide, principal="bob")
     await w.drain()
 
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.COMPLETED
     assert run.output == "sent"  # the script ran out: the last tool result is the output
     async with stores.db.connection() as con:
@@ -166,7 +166,7 @@ async def test_approval_denied_fails_the_run_with_the_deciders_reason(stores: St
         principal="anyone",  # the pause names no approvers: any host may decide
     )
     await w.drain()
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.FAILED
     assert run.error == "not during the audit"
     assert await outbox_keys(stores, scope, cmd.run_id) == [
@@ -186,7 +186,7 @@ async def test_non_retry_safe_call_runs_once_and_local_calls_continue(stores: St
     )
     await w.control.start(cmd)
     await w.drain()
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.COMPLETED
     assert run.output == "paid"
     assert await charges(stores, cmd.run_id) == {"call-0-1": 1}
@@ -232,10 +232,10 @@ async def test_one_turn_asking_for_two_kinds_pauses_for_each_in_turn(stores: Sto
         principal="host",
     )
     await w.drain()
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.COMPLETED
     # Answers went to the pending calls in pending order, whatever order they came in.
-    tool_messages = [m for m in await stores.sessions.load(scope, cmd.run_id) if m.role is Role.TOOL]
+    tool_messages = [m for m in await stores.at(scope).sessions.load(cmd.run_id) if m.role is Role.TOOL]
     assert [(m.tool_call_id, m.content) for m in tool_messages] == [
         ("call-0-0", "A"),
         ("call-0-2", "C"),
@@ -265,11 +265,11 @@ async def test_resume_runs_under_the_stored_config_only(stores: Stores, scope: S
         ResumeCommand(scope=scope, version=version(s, revision), results=[ToolAnswer(call_id="call-0-0", content="r")])
     )
     await w.drain()
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.COMPLETED
     # charge was withdrawn before the pause, so it stays withdrawn after it: never run.
     assert await charges(stores, cmd.run_id) == {}
-    tool_messages = [m for m in await stores.sessions.load(scope, cmd.run_id) if m.role is Role.TOOL]
+    tool_messages = [m for m in await stores.at(scope).sessions.load(cmd.run_id) if m.role is Role.TOOL]
     assert "not available" in tool_messages[-1].content
 
 
@@ -284,13 +284,13 @@ async def test_resume_on_the_last_step_fails_as_max_steps_reached(stores: Stores
         ResumeCommand(scope=scope, version=version(s, revision), results=[ToolAnswer(call_id="call-0-0", content="r")])
     )
     await w.drain()
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.FAILED
     assert run.error is not None
     assert run.error.startswith("max_steps_reached")
     assert await suspension_count(stores, cmd.run_id) == 0
     # The result was recorded before the run failed.
-    assert [m.content for m in await stores.sessions.load(scope, cmd.run_id) if m.role is Role.TOOL] == ["r"]
+    assert [m.content for m in await stores.at(scope).sessions.load(cmd.run_id) if m.role is Role.TOOL] == ["r"]
 
 
 async def test_a_resumed_run_saves_only_its_own_messages_into_its_session(
@@ -314,7 +314,7 @@ async def test_a_resumed_run_saves_only_its_own_messages_into_its_session(
         ResumeCommand(scope=scope, version=version(s, revision), results=[ToolAnswer(call_id="call-0-0", content="x")])
     )
     await w.drain()
-    session = await stores.sessions.load(scope, "shared")
+    session = await stores.at(scope).sessions.load("shared")
     assert [m.content for m in session if m.role is not Role.TOOL] == [
         "first question",
         "hello",
@@ -332,7 +332,7 @@ async def test_cancel_ends_a_paused_run_and_rejects_its_checkpoint(stores: Store
     s, _ = await pause_of(stores, scope, cmd.run_id)
     await w.control.cancel(CancelCommand(scope=scope, run_id=cmd.run_id, reason="user gave up"))
     await w.drain()
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.CANCELLED
     assert await suspension_count(stores, cmd.run_id) == 0
     async with stores.db.connection() as con:
@@ -360,7 +360,7 @@ async def test_expire_fails_the_run_with_a_reason_naming_the_deadline(
         await wait_for_db_clock(stores, s.expires_at)
         await w.control.expire(ExpireCommand(scope=scope, version=version(s, revision), expired_by=s.expires_at))
         await w.drain()
-        run = await stores.runs.get_run(scope, cmd.run_id)
+        run = await stores.at(scope).runs.get_run(cmd.run_id)
         assert run.state is RunState.FAILED
         assert run.error is not None
         assert "suspension_expired" in run.error
@@ -403,12 +403,12 @@ async def test_agent_reply_pause_is_answered_by_the_bus_exactly_once(stores: Sto
     assert await w.control.reply(reply, correlation_id="bus-1") is None  # redelivered: no second execution
     await w.drain()
 
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.output) == (RunState.COMPLETED, reply_input)
-    admission = await stores.resume.get_resume_admission(scope, cmd.run_id, s.id)
+    admission = await stores.at(scope).resume.get_resume_admission(cmd.run_id, s.id)
     assert admission.request.input == reply_input.encode()
     assert admission.claimed_revision == revision + 1
-    start = await stores.resume.get_resume_start(scope, cmd.run_id, s.id)
+    start = await stores.at(scope).resume.get_resume_start(cmd.run_id, s.id)
     assert (start.fresh, start.suspension) == (False, None)  # a read never grants
     assert await outbox_keys(stores, scope, cmd.run_id) == [
         f"notice.agent_reply.{scope.app}.{scope.tenant}",
@@ -428,11 +428,11 @@ async def test_a_reply_admitted_by_a_worker_that_died_before_starting_is_started
     first = reply_progress(s, s.pending[0].reply_with, '"the answer"', dead.owner)
     request = ResumeAdmissionRequest(scope=scope, version=version(s, revision), input=b'"the answer"')
     # The admission committed (claim, lease, snapshot) and then its worker died: no start was granted.
-    await stores.resume.admit_resume_leased(scope, request, dead, first)
+    await stores.at(scope).resume.admit_resume_leased(request, dead, first)
 
     await w.drain(wait_for_lapsed=True)
 
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.output) == (RunState.COMPLETED, '"the answer"')
-    start = await stores.resume.get_resume_start(scope, cmd.run_id, s.id)
+    start = await stores.at(scope).resume.get_resume_start(cmd.run_id, s.id)
     assert start.request_digest == request.digest()

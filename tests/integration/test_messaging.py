@@ -7,15 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aio_pika
-import pytest
 
-from intermission.agent.loop import default_executor
-from intermission.fleet.settings import Settings
-from intermission.fleet.worker import Worker, running_worker
+from intermission.fleet.worker import Worker
 from intermission.publishers.clients import BusClient, HostClient, Received, Subscription, version_of
 from intermission.schemas.commands import DecideCommand, Decision, ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
@@ -32,8 +29,8 @@ from intermission.wire import (
     SCHEMA_VERSION_HEADER,
     Command,
 )
-from tests.support.amqp import DELIVERY_LIMIT, AmqpUser, Broker, CaptureFactory, Vhost
-from tests.support.fleet import fast_settings, outbox_keys
+from tests.support.amqp import AmqpUser, Broker, CaptureFactory, Vhost
+from tests.support.fleet import outbox_keys
 from tests.support.waiting import eventually
 
 WAIT = 20.0
@@ -56,29 +53,6 @@ def start(scope: Scope, *turns: dict[str, Any], **changes: Any) -> StartCommand:
 
 
 LOOKUP = {"call": [{"tool": "lookup", "arguments": {"query": "q"}}]}
-
-
-@pytest.fixture
-def settings(database_url: str, amqp_url: str, rabbit: Broker) -> Settings:
-    return fast_settings(database_url, amqp_url=amqp_url, bus_user=rabbit.bus.name, delivery_limit=DELIVERY_LIMIT)
-
-
-@pytest.fixture
-async def worker(settings: Settings, stores: Stores) -> AsyncIterator[Worker]:
-    async with running_worker(settings, executor=default_executor(), stores=stores) as w:
-        yield w
-
-
-@pytest.fixture
-async def host(amqp_vhost: Vhost, rabbit: Broker, amqp_url: str) -> AsyncIterator[HostClient]:
-    async with await HostClient.connect(amqp_vhost.url(rabbit.host), name="test host") as client:
-        yield client
-
-
-@pytest.fixture
-async def bus(amqp_vhost: Vhost, rabbit: Broker, amqp_url: str) -> AsyncIterator[BusClient]:
-    async with await BusClient.connect(amqp_vhost.url(rabbit.bus), name="test bus") as client:
-        yield client
 
 
 async def next_event(
@@ -145,7 +119,7 @@ async def test_external_tool_end_to_end(stores: Stores, scope: Scope, worker: Wo
     assert completed.correlation_id == resume_id
     assert isinstance(completed.event, RunEvent)
     assert completed.event.output == "done"
-    run = await stores.runs.get_run(scope, cmd.run_id)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.output) == (RunState.COMPLETED, "done")
     async with stores.db.connection() as con:
         recorded = await con.raw.fetch("SELECT message_id FROM inbox WHERE run_id = $1 ORDER BY recorded_at", run.id)
@@ -189,7 +163,7 @@ async def test_agent_reply_end_to_end_through_the_bus(
         completed = await next_event(events, run_event(cmd.run_id, RunEventKind.COMPLETED))
     assert isinstance(completed.event, RunEvent)
     assert completed.event.output == reply
-    admission = await stores.resume.get_resume_admission(scope, cmd.run_id, n.suspension_id)
+    admission = await stores.at(scope).resume.get_resume_admission(cmd.run_id, n.suspension_id)
     assert admission.request.input == reply.encode()
 
 

@@ -7,6 +7,8 @@ import socket
 import urllib.request
 import uuid
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from intermission.agent.loop import default_executor
 from intermission.fleet.worker import running_worker
 from intermission.publishers.clients import HostClient
@@ -26,6 +28,15 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a scrape by (name, sorted labels)."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def scrape(port: int) -> str:
@@ -51,7 +62,7 @@ async def test_a_worker_counts_commands_and_runs(
 
         async def paused() -> bool:
             try:
-                return (await stores.runs.get_run(scope, run_id)).state is RunState.PAUSED
+                return (await stores.at(scope).runs.get_run(run_id)).state is RunState.PAUSED
             except RunNotFound:  # the start is not consumed yet
                 return False
 
@@ -65,6 +76,11 @@ async def test_a_worker_counts_commands_and_runs(
             )
 
         await eventually(counted, what="the worker's metrics")
-        text = await asyncio.to_thread(scrape, port)
-        assert 'intermission_commands_total{code="",command="run.start",outcome="applied"} 1.0' in text
-        assert "intermission_runs_running" in text
+        values = samples(await asyncio.to_thread(scrape, port))
+        assert (
+            values[("intermission_commands_total", (("code", ""), ("command", "run.start"), ("outcome", "applied")))]
+            == 1
+        )
+        assert values[("intermission_runs_left_total", (("how", "paused"),))] == 1
+        # The run paused, so nothing runs here any more; the gauge says so (it is not merely present).
+        assert values[("intermission_runs_running", ())] == 0

@@ -18,8 +18,6 @@ from intermission.schemas.errors import IntermissionError
 from intermission.store.migrate import MigrationError, ensure_database, migrate, migrations
 from tests.support import pg
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture
 async def fresh_url(pg_server: str) -> AsyncIterator[str]:

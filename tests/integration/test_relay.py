@@ -24,6 +24,7 @@ from intermission.store import Stores, outbox
 from intermission.store.db import Database
 from intermission.wire import EVENTS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, TRACEPARENT_HEADER, notice_key
 from tests.conftest import MakeStores, race
+from tests.support import outbox as support_outbox
 from tests.support.factories import paused_run, running_run
 from tests.support.waiting import eventually
 
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     # Types only: importing tests.support.amqp here would defeat pytest's assertion rewriting of the plugin.
     from tests.support.amqp import Broker, CaptureFactory, ConnectionFactory
 
-pytestmark = pytest.mark.integration
 # The broker fixtures (a vhost per test, captures, the test users) until tests/conftest.py lists them.
 
 ALL_EVENTS = "#"
@@ -55,22 +55,20 @@ async def unsent_ids(database_url: str) -> set[str]:
 
 async def write_events(stores: Stores, scope: Scope, n: int) -> list[str]:
     """``n`` run events in ONE transaction (one NOTIFY), cheaper than n runs for volume tests."""
-    ids: list[str] = []
-    async with stores.db.transaction() as con:
-        for i in range(n):
-            event = outbox.run_event(
-                RunEvent(kind=RunEventKind.COMPLETED, run_id=f"bulk-{i}", revision=1, scope=scope, output=str(i)),
-                correlation_id=f"cmd-{i}",
-            )
-            await outbox.write(con, event)
-            ids.append(str(event.message_id))
-    return ids
+    events = [
+        outbox.run_event(
+            RunEvent(kind=RunEventKind.COMPLETED, run_id=f"bulk-{i}", revision=1, scope=scope, output=str(i)),
+            correlation_id=f"cmd-{i}",
+        )
+        for i in range(n)
+    ]
+    return await support_outbox.insert(stores, scope, *events)
 
 
 async def end_run(stores: Stores, scope: Scope, *, correlation_id: str) -> str:
     run, held = await running_run(stores, scope)
-    await stores.runs.end_run(
-        scope, run.id, held.owner, RunEventKind.COMPLETED, output="done", correlation_id=correlation_id
+    await stores.at(scope).runs.end_run(
+        run.id, held.owner, RunEventKind.COMPLETED, output="done", correlation_id=correlation_id
     )
     return run.id
 
@@ -109,14 +107,10 @@ async def test_relay_publishes_every_unsent_row_with_its_stable_message_id_and_m
     traced = outbox.OutboxEvent(
         routing_key=notice_key(SuspendReason.APPROVAL, scope),
         body='{"traced": true}',
-        app=scope.app,
-        tenant=scope.tenant,
-        run_id=None,
         correlation_id="cmd-traced",
         headers={SCHEMA_VERSION_HEADER: SCHEMA_VERSION, TRACEPARENT_HEADER: "00-" + "a" * 32 + "-" + "b" * 16 + "-01"},
     )
-    async with stores.db.transaction() as con:
-        await outbox.write(con, traced)
+    await support_outbox.insert(stores, scope, traced)
     rows = await outbox_rows(database_url)
     assert len(rows) == 4
     assert all(r["sent_at"] is None for r in rows)

@@ -16,16 +16,14 @@ import asyncpg
 import pytest
 
 from intermission.publishers.relay import OutboxRelay
-from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
-from intermission.store import Stores, outbox
+from intermission.store import Stores
 from intermission.wire import EVENTS_EXCHANGE
 from tests.support.factories import paused_run
+from tests.support.outbox import ended_run_event
 
 if TYPE_CHECKING:
     from tests.support.amqp import CaptureFactory, ConnectionFactory
-
-pytestmark = pytest.mark.integration
 
 CHANNEL = "intermission_outbox"
 WITHIN = 15.0
@@ -72,16 +70,6 @@ async def notifications(database_url: str) -> AsyncIterator[Notifications]:
         await con.close()
 
 
-async def write_event(stores: Stores, scope: Scope) -> str:
-    event = outbox.run_event(
-        RunEvent(kind=RunEventKind.COMPLETED, run_id=f"run-{uuid.uuid4().hex[:8]}", revision=1, scope=scope),
-        correlation_id=None,
-    )
-    async with stores.db.transaction() as con:
-        await outbox.write(con, event)
-    return str(event.message_id)
-
-
 async def test_a_relayed_process_commits_outbox_rows_without_notifying_and_wakes_its_own_relay(
     database_url: str, scope: Scope, notifications: Notifications
 ) -> None:
@@ -91,22 +79,22 @@ async def test_a_relayed_process_commits_outbox_rows_without_notifying_and_wakes
     stop_waking = relayed.db.on_outbox_commit(lambda: woken.append("relayed"))
     plain.db.on_outbox_commit(lambda: woken.append("plain"))
     try:
-        await write_event(relayed, scope)
+        await ended_run_event(relayed, scope)
         assert await notifications.since_last_sentinel() == []
         assert woken == ["relayed"]
 
         # A transaction that adds no outbox row wakes nobody.
         async with relayed.db.transaction() as con:
-            await con.fetchval("sweeper_database_now")
+            await con.fetchval("database_now")
         assert woken == ["relayed"]
 
         # A process without a relay of its own still wakes every relay through the database.
-        await write_event(plain, scope)
+        await ended_run_event(plain, scope)
         assert await notifications.since_last_sentinel() == [""]
         assert woken == ["relayed", "plain"]
 
         stop_waking()
-        await write_event(relayed, scope)
+        await ended_run_event(relayed, scope)
         assert woken == ["relayed", "plain"]
         assert await notifications.since_last_sentinel() == []
     finally:
@@ -129,7 +117,7 @@ async def test_a_relay_woken_in_process_publishes_its_processs_rows_without_noti
     stop = asyncio.Event()
     serving = asyncio.create_task(relay.serve(stop))
     try:
-        first = await write_event(relayed, scope)
+        first = await ended_run_event(relayed, scope)
         await seen.wait_ids({first})
         # The store's own writes (here a run that pauses: its Notice) wake it the same way.
         paused = await paused_run(relayed, scope)

@@ -1,5 +1,5 @@
 """A bus reply delivered again after its run moved on (paused again, or ended) is a duplicate: acknowledged
-with no second effect and NO refusal (DESIGN.md section 6). Found by the soak (bench/soak): the reply's
+with no second effect and NO refusal (docs/contracts.md). Found by the soak (bench/soak): the reply's
 idempotency record is its admission, but the live pause was looked up first, so a redelivery that came
 after the run had left that pause was refused as run_conflict or not_suspended."""
 
@@ -42,8 +42,8 @@ def answer(content: str) -> str:
 
 
 async def reply_to(stores: Stores, scope: Scope, run_id: str, content: str) -> ReplyCommand:
-    s = await stores.suspensions.get_suspension(scope, run_id)
-    run = await stores.runs.get_run(scope, run_id)
+    s = await stores.at(scope).suspensions.get_suspension(run_id)
+    run = await stores.at(scope).runs.get_run(run_id)
     assert run.state is RunState.PAUSED
     version = ClaimVersion(run_id=run_id, suspension_id=s.id, run_revision=run.revision)
     return ReplyCommand(scope=scope, version=version, reply_with=s.pending[0].reply_with, input=answer(content))
@@ -76,7 +76,7 @@ async def test_the_same_reply_again_after_the_run_moved_on_is_a_duplicate_not_a_
         await local.control.reply(first.model_copy(update={"input": answer("another")}), correlation_id="bus-x")
     assert await local.control.reply(second, correlation_id="bus-2") is not None
     await local.drain()
-    assert (await stores.runs.get_run(scope, cmd.run_id)).state is RunState.COMPLETED
+    assert (await stores.at(scope).runs.get_run(cmd.run_id)).state is RunState.COMPLETED
     # The run ended: both replies, delivered again, are duplicates; a different one is refused.
     for again in (first, second):
         with pytest.raises(AlreadyApplied):
@@ -170,4 +170,4 @@ async def test_a_reply_redelivered_through_the_broker_after_the_run_moved_on_is_
     assert {m.message_id for m in dead.messages} == {m.json()["message_id"] for m in refusals.messages}
     keys = await outbox_keys(stores, scope, cmd.run_id)
     assert keys.count(f"run.resumed.{scope.app}.{scope.tenant}") == 2
-    assert (await stores.runs.get_run(scope, cmd.run_id)).output == "both answered"
+    assert (await stores.at(scope).runs.get_run(cmd.run_id)).output == "both answered"

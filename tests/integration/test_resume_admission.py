@@ -1,4 +1,4 @@
-"""AdmitResume and AdmitResumeLeased on the real database: REFERENCE.md section 7 scenarios 33-37, the
+"""AdmitResume and AdmitResumeLeased on the real database: docs/scenarios.md, scenarios 33-37, the
 identical-admission race, and every refusal writing nothing."""
 
 from __future__ import annotations
@@ -38,21 +38,17 @@ from tests.support.resume import (
     count,
     first_for,
     reply,
-    resume_store,
     run_row,
     snapshot,
     until_db_clock_passes,
 )
 
-pytestmark = pytest.mark.integration
-
 
 async def test_admission_claims_the_pause_and_keeps_the_input_exactly(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     req = admission_request(p, scope)
 
-    got = await rs.admit_resume(scope, req)
+    got = await stores.at(scope).resume.admit_resume(req)
 
     assert got.fresh is True
     assert got.schema_version == RESUME_SCHEMA_VERSION
@@ -62,36 +58,34 @@ async def test_admission_claims_the_pause_and_keeps_the_input_exactly(stores: St
     assert (run["state"], run["revision"]) == ("running", p.revision + 1)
     # The pause is retained: the fleet deletes it, not the admission.
     assert await count(stores, "suspensions") == 1
-    stored = await rs.get_resume_admission(scope, p.run.id, p.suspension.id)
+    stored = await stores.at(scope).resume.get_resume_admission(p.run.id, p.suspension.id)
     assert stored.request.input == req.input
     assert stored.fresh is False
     assert stored.model_dump() == got.model_dump()
     # The suspension digest binds the stored pause: a host recomputes it from a plain read.
-    assert got.suspension_digest == digest(await stores.suspensions.get_suspension(scope, p.run.id))
+    assert got.suspension_digest == digest(await stores.at(scope).suspensions.get_suspension(p.run.id))
 
 
 async def test_scenario_34_a_failure_reply_is_admitted_byte_for_byte(stores: Stores, scope: Scope) -> None:
     # refuse/failure replies resume the run with a failure payload; to the store it is input like any other,
     # and its bytes (escapes, key order, spacing, non-ASCII) must come back exactly.
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     payload = '{"performative":"failure",  "sender":"peer","content":"timeout\\n\\u00e9 é"}'.encode()
 
-    got = await rs.admit_resume(scope, admission_request(p, scope, payload))
+    got = await stores.at(scope).resume.admit_resume(admission_request(p, scope, payload))
 
     assert got.fresh
-    assert (await rs.get_resume_admission(scope, p.run.id, p.suspension.id)).request.input == payload
+    assert (await stores.at(scope).resume.get_resume_admission(p.run.id, p.suspension.id)).request.input == payload
 
 
 async def test_scenario_35_identical_admission_again_returns_the_record_and_claims_nothing(
     stores: Stores, scope: Scope
 ) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
-    first = await rs.admit_resume(scope, admission_request(p, scope))
+    first = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
     before = await snapshot(stores)
 
-    again = await rs.admit_resume(scope, admission_request(p, scope))
+    again = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
 
     assert again.fresh is False
     assert again.model_dump() == first.model_dump()
@@ -103,13 +97,12 @@ async def test_a_recorded_admission_takes_nothing_even_if_its_pause_is_claimable
 ) -> None:
     # Whatever put the run back on this very pause (a bug elsewhere, a hand edit), the recorded admission
     # is the answer: the claim is never attempted again.
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
-    first = await rs.admit_resume(scope, admission_request(p, scope))
+    first = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
     await stores.db.pool.execute("UPDATE runs SET state = 'paused', revision = $2 WHERE id = $1", p.run.id, p.revision)
     before = await snapshot(stores)
 
-    again = await rs.admit_resume_leased(scope, admission_request(p, scope), lease())
+    again = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), lease())
 
     assert again.fresh is False
     assert again.model_dump() == first.model_dump()
@@ -117,42 +110,39 @@ async def test_a_recorded_admission_takes_nothing_even_if_its_pause_is_claimable
 
 
 async def test_scenario_36_changed_input_for_the_same_pause_is_a_conflict(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
-    original = await rs.admit_resume(scope, admission_request(p, scope, reply(content="one")))
+    original = await stores.at(scope).resume.admit_resume(admission_request(p, scope, reply(content="one")))
     before = await snapshot(stores)
 
     with pytest.raises(ResumeAdmissionConflict):
-        await rs.admit_resume(scope, admission_request(p, scope, reply(content="two")))
+        await stores.at(scope).resume.admit_resume(admission_request(p, scope, reply(content="two")))
 
     assert await snapshot(stores) == before
-    kept = await rs.get_resume_admission(scope, p.run.id, p.suspension.id)
+    kept = await stores.at(scope).resume.get_resume_admission(p.run.id, p.suspension.id)
     assert kept.request.input == reply(content="one")
     assert kept.request_digest == original.request_digest
 
 
 async def test_scenario_36_a_changed_pin_for_the_same_pause_is_a_conflict(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
-    await rs.admit_resume(scope, admission_request(p, scope))
+    await stores.at(scope).resume.admit_resume(admission_request(p, scope))
     moved = ResumeAdmissionRequest(
         scope=scope,
         version=ClaimVersion(run_id=p.run.id, suspension_id=p.suspension.id, run_revision=p.revision + 1),
         input=reply(),
     )
     with pytest.raises(ResumeAdmissionConflict):
-        await rs.admit_resume(scope, moved)
+        await stores.at(scope).resume.admit_resume(moved)
 
 
 async def test_scenario_37_exactly_8_mib_encoded_is_accepted(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     data = b"a" * MAX_RESUME_INPUT_BYTES
 
-    got = await rs.admit_resume(scope, admission_request(p, scope, data))
+    got = await stores.at(scope).resume.admit_resume(admission_request(p, scope, data))
 
     assert got.fresh
-    assert (await rs.get_resume_admission(scope, p.run.id, p.suspension.id)).request.input == data
+    assert (await stores.at(scope).resume.get_resume_admission(p.run.id, p.suspension.id)).request.input == data
 
 
 @pytest.mark.parametrize(
@@ -166,32 +156,30 @@ async def test_scenario_37_exactly_8_mib_encoded_is_accepted(stores: Stores, sco
 async def test_scenario_37_one_byte_over_8_mib_encoded_is_refused_and_nothing_is_written(
     stores: Stores, scope: Scope, data: bytes
 ) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
 
     with pytest.raises(InputTooLarge):
-        await rs.admit_resume(scope, admission_request(p, scope, data))
+        await stores.at(scope).resume.admit_resume(admission_request(p, scope, data))
 
     assert await snapshot(stores) == before
     assert (await run_row(stores, p.run.id))["state"] == "paused"
 
 
 async def test_exactly_8_mib_of_escapes_is_accepted(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     data = b"\n" * (MAX_RESUME_INPUT_BYTES // 2)  # each newline is two bytes escaped
-    assert (await rs.admit_resume(scope, admission_request(p, scope, data))).fresh
+    assert (await stores.at(scope).resume.admit_resume(admission_request(p, scope, data))).fresh
 
 
 async def test_race_32_identical_admissions_one_fresh_one_revision_bump(
     stores: Stores, scope: Scope, make_stores: MakeStores
 ) -> None:
     p = await agent_reply_pause(stores, scope)
-    contenders = [resume_store(s) for s in await make_stores(32)]
+    contenders = await make_stores(32)
     req = admission_request(p, scope)
 
-    results = await race(32, lambda i: contenders[i].admit_resume(scope, req))
+    results = await race(32, lambda i: contenders[i].at(scope).resume.admit_resume(req))
 
     assert all(isinstance(r, ResumeAdmission) for r in results), results
     admissions = [r for r in results if isinstance(r, ResumeAdmission)]
@@ -206,10 +194,10 @@ async def test_scenario_33_race_of_two_different_replies_one_wins_the_other_conf
 ) -> None:
     # Two replies answer the same question (the bus's scenario 33 at the store): 16 callers carry each.
     p = await agent_reply_pause(stores, scope)
-    contenders = [resume_store(s) for s in await make_stores(32)]
+    contenders = await make_stores(32)
     replies = [admission_request(p, scope, reply(content="A")), admission_request(p, scope, reply(content="B"))]
 
-    results = await race(32, lambda i: contenders[i].admit_resume(scope, replies[i % 2]))
+    results = await race(32, lambda i: contenders[i].at(scope).resume.admit_resume(replies[i % 2]))
 
     admissions = [r for r in results if isinstance(r, ResumeAdmission)]
     conflicts = [r for r in results if isinstance(r, ResumeAdmissionConflict)]
@@ -225,17 +213,16 @@ async def test_scenario_33_race_of_two_different_replies_one_wins_the_other_conf
 
 
 async def test_leased_admission_takes_the_lease_and_writes_the_first_snapshot(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     held = lease()
 
-    got = await rs.admit_resume_leased(scope, admission_request(p, scope), held, first_for(p, held))
+    got = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), held, first_for(p, held))
 
     assert got.fresh
     assert got.claimed_revision == p.revision + 1
     run = await run_row(stores, p.run.id)
     assert (run["state"], run["lease_owner"]) == ("running", held.owner)
-    progress = await stores.progress.get_progress(scope, p.run.id)
+    progress = await stores.at(scope).progress.get_progress(p.run.id)
     assert progress.owner == held.owner
     assert progress.continuation.step_index == 2
 
@@ -243,20 +230,19 @@ async def test_leased_admission_takes_the_lease_and_writes_the_first_snapshot(st
 async def test_leased_admission_recorded_before_is_returned_as_it_is_and_takes_nothing(
     stores: Stores, scope: Scope
 ) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     held = lease()
-    first = await rs.admit_resume_leased(scope, admission_request(p, scope), held, first_for(p, held))
+    first = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), held, first_for(p, held))
     before = await snapshot(stores)
-    progress_before = await stores.progress.get_progress(scope, p.run.id)
+    progress_before = await stores.at(scope).progress.get_progress(p.run.id)
 
     other = lease()
-    again = await rs.admit_resume_leased(scope, admission_request(p, scope), other, first_for(p, other))
+    again = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), other, first_for(p, other))
 
     assert again.fresh is False
     assert again.model_dump() == first.model_dump()
     assert await snapshot(stores) == before
-    assert (await stores.progress.get_progress(scope, p.run.id)) == progress_before
+    assert (await stores.at(scope).progress.get_progress(p.run.id)) == progress_before
 
 
 @pytest.mark.parametrize(
@@ -270,20 +256,18 @@ async def test_leased_admission_recorded_before_is_returned_as_it_is_and_takes_n
 async def test_leased_admission_with_a_half_lease_is_lease_lost_and_writes_nothing(
     stores: Stores, scope: Scope, bad_lease: Lease
 ) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
     with pytest.raises(RunLeaseLost):
-        await rs.admit_resume_leased(scope, admission_request(p, scope), bad_lease)
+        await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), bad_lease)
     assert await snapshot(stores) == before
 
 
 async def test_leased_admission_with_a_first_owned_by_someone_else_is_lease_lost(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
     with pytest.raises(RunLeaseLost):
-        await rs.admit_resume_leased(scope, admission_request(p, scope), lease(), first_for(p, lease()))
+        await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), lease(), first_for(p, lease()))
     assert await snapshot(stores) == before
 
 
@@ -293,12 +277,11 @@ async def test_leased_admission_with_a_first_owned_by_someone_else_is_lease_lost
 async def test_admission_from_another_scope_finds_nothing_and_writes_nothing(
     stores: Stores, scope: Scope, other_scope: Scope
 ) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
 
     with pytest.raises(NotSuspended):
-        await rs.admit_resume(other_scope, admission_request(p, other_scope))
+        await stores.at(other_scope).resume.admit_resume(admission_request(p, other_scope))
 
     assert await snapshot(stores) == before
 
@@ -306,39 +289,35 @@ async def test_admission_from_another_scope_finds_nothing_and_writes_nothing(
 async def test_admission_whose_request_names_another_scope_is_refused(
     stores: Stores, scope: Scope, other_scope: Scope
 ) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
     with pytest.raises(InvalidArgument):
-        await rs.admit_resume(scope, admission_request(p, other_scope))
+        await stores.at(scope).resume.admit_resume(admission_request(p, other_scope))
     assert await snapshot(stores) == before
 
 
 async def test_admission_without_a_valid_scope_fails_before_the_database(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
     with pytest.raises(InvalidScope):
-        await rs.admit_resume(Scope.model_construct(app="", tenant="t1"), admission_request(p, scope))
+        await stores.at(Scope.model_construct(app="", tenant="t1")).resume.admit_resume(admission_request(p, scope))
     assert await snapshot(stores) == before
 
 
 async def test_admission_without_a_request_is_invalid(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     with pytest.raises(InvalidArgument):
-        await rs.admit_resume(scope, None)  # type: ignore[arg-type]
+        await stores.at(scope).resume.admit_resume(None)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument):
-        await rs.admit_resume_leased(scope, {"scope": scope}, lease())  # type: ignore[arg-type]
+        await stores.at(scope).resume.admit_resume_leased({"scope": scope}, lease())  # type: ignore[arg-type]
 
 
 async def test_admission_of_an_unknown_run_is_not_suspended(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     before = await snapshot(stores)
     req = ResumeAdmissionRequest(
         scope=scope, version=ClaimVersion(run_id="no-such-run", suspension_id=1, run_revision=1), input=reply()
     )
     with pytest.raises(NotSuspended):
-        await rs.admit_resume(scope, req)
+        await stores.at(scope).resume.admit_resume(req)
     assert await snapshot(stores) == before
 
 
@@ -346,11 +325,10 @@ async def test_admission_of_an_unknown_run_is_not_suspended(stores: Stores, scop
 async def test_admission_of_a_pause_that_is_not_an_agent_reply_is_refused(
     stores: Stores, scope: Scope, reason: SuspendReason
 ) -> None:
-    rs = resume_store(stores)
     p = await paused_run(stores, scope, reason=reason)
     before = await snapshot(stores)
     with pytest.raises(NotAgentReplyResumable):
-        await rs.admit_resume(scope, admission_request(p, scope))
+        await stores.at(scope).resume.admit_resume(admission_request(p, scope))
     assert await snapshot(stores) == before
 
 
@@ -358,7 +336,6 @@ async def test_admission_of_a_pause_that_is_not_an_agent_reply_is_refused(
 async def test_admission_pinned_to_another_pause_or_revision_is_run_conflict(
     stores: Stores, scope: Scope, suspension_delta: int, revision_delta: int
 ) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
     req = ResumeAdmissionRequest(
@@ -371,41 +348,38 @@ async def test_admission_pinned_to_another_pause_or_revision_is_run_conflict(
         input=reply(),
     )
     with pytest.raises(RunConflict):
-        await rs.admit_resume(scope, req)
+        await stores.at(scope).resume.admit_resume(req)
     assert await snapshot(stores) == before
 
 
 async def test_admission_of_an_expired_pause_is_refused_and_the_run_stays_paused(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope, ttl_seconds=0.001)
     assert p.suspension.expires_at is not None
     await until_db_clock_passes(stores, p.suspension.expires_at)
     before = await snapshot(stores)
 
     with pytest.raises(SuspensionExpired):
-        await rs.admit_resume(scope, admission_request(p, scope))
+        await stores.at(scope).resume.admit_resume(admission_request(p, scope))
 
     assert await snapshot(stores) == before
 
 
 async def test_admission_input_that_is_not_utf8_is_refused(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
     with pytest.raises(InvalidArgument):
-        await rs.admit_resume(scope, admission_request(p, scope, b"\xff\xfe"))
+        await stores.at(scope).resume.admit_resume(admission_request(p, scope, b"\xff\xfe"))
     assert await snapshot(stores) == before
 
 
 async def test_a_refused_admission_grants_nothing(stores: Stores, scope: Scope) -> None:
     # A caller whose admission failed holds no record, so it has nothing to start.
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     req = admission_request(p, scope, b"a" * (MAX_RESUME_INPUT_BYTES + 1))
     with pytest.raises(InputTooLarge):
-        await rs.admit_resume(scope, req)
+        await stores.at(scope).resume.admit_resume(req)
     with pytest.raises(ResumeAdmissionNotFound):
-        await rs.start_resume(scope, p.run.id, p.suspension.id, req.digest())
+        await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, req.digest())
 
 
 # --- schema versions -----------------------------------------------------------------------------------
@@ -414,13 +388,12 @@ async def test_a_refused_admission_grants_nothing(stores: Stores, scope: Scope) 
 async def test_a_row_without_a_schema_version_reads_as_legacy_and_still_matches_retries(
     stores: Stores, scope: Scope
 ) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
-    await rs.admit_resume(scope, admission_request(p, scope))
+    await stores.at(scope).resume.admit_resume(admission_request(p, scope))
     await stores.db.pool.execute("UPDATE resume_admissions SET schema_version = NULL")
 
-    legacy = await rs.get_resume_admission(scope, p.run.id, p.suspension.id)
-    again = await rs.admit_resume(scope, admission_request(p, scope))
+    legacy = await stores.at(scope).resume.get_resume_admission(p.run.id, p.suspension.id)
+    again = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
 
     assert legacy.schema_version == LEGACY_SCHEMA_VERSION
     assert again.fresh is False
@@ -431,38 +404,36 @@ async def test_a_row_without_a_schema_version_reads_as_legacy_and_still_matches_
 
 
 async def test_get_admission_is_exact_scope(stores: Stores, scope: Scope, other_scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
-    await rs.admit_resume(scope, admission_request(p, scope))
+    await stores.at(scope).resume.admit_resume(admission_request(p, scope))
     with pytest.raises(ResumeAdmissionNotFound):
-        await rs.get_resume_admission(other_scope, p.run.id, p.suspension.id)
+        await stores.at(other_scope).resume.get_resume_admission(p.run.id, p.suspension.id)
     with pytest.raises(ResumeAdmissionNotFound):
-        await rs.get_resume_admission(scope, p.run.id, p.suspension.id + 1)
+        await stores.at(scope).resume.get_resume_admission(p.run.id, p.suspension.id + 1)
     with pytest.raises(ResumeAdmissionNotFound):
-        await rs.latest_resume_admission(other_scope, p.run.id)
+        await stores.at(other_scope).resume.latest_resume_admission(p.run.id)
     with pytest.raises(InvalidArgument):
-        await rs.get_resume_admission(scope, "not a run id!", p.suspension.id)
+        await stores.at(scope).resume.get_resume_admission("not a run id!", p.suspension.id)
     with pytest.raises(InvalidArgument):
-        await rs.get_resume_admission(scope, p.run.id, 0)
+        await stores.at(scope).resume.get_resume_admission(p.run.id, 0)
 
 
 async def test_list_admissions_pages_exact_scope_history_with_an_opaque_cursor(
     stores: Stores, scope: Scope, other_scope: Scope
 ) -> None:
-    rs = resume_store(stores)
     ours = []
     for _ in range(5):
         p = await agent_reply_pause(stores, scope)
         ours.append((p.run.id, p.suspension.id))
-        await rs.admit_resume(scope, admission_request(p, scope))
+        await stores.at(scope).resume.admit_resume(admission_request(p, scope))
     theirs = await agent_reply_pause(stores, other_scope)
-    await rs.admit_resume(other_scope, admission_request(theirs, other_scope))
+    await stores.at(other_scope).resume.admit_resume(admission_request(theirs, other_scope))
 
     seen: list[tuple[str, int]] = []
     cursor = ""
     pages = 0
     while True:
-        page = await rs.list_resume_admissions(scope, cursor, 2)
+        page = await stores.at(scope).resume.list_resume_admissions(cursor, 2)
         pages += 1
         seen.extend((a.request.version.run_id, a.request.version.suspension_id) for a in page.admissions)
         assert all(a.request.scope == scope for a in page.admissions)
@@ -471,7 +442,7 @@ async def test_list_admissions_pages_exact_scope_history_with_an_opaque_cursor(
         cursor = page.next
     assert seen == sorted(ours)
     assert pages == 3
-    whole = await rs.list_resume_admissions(scope, "", 32)
+    whole = await stores.at(scope).resume.list_resume_admissions("", 32)
     assert len(whole.admissions) == 5
     assert whole.next == ""
 
@@ -479,30 +450,29 @@ async def test_list_admissions_pages_exact_scope_history_with_an_opaque_cursor(
 @pytest.mark.parametrize("limit", [0, -1, 33, 10**9])
 async def test_list_admissions_refuses_a_limit_out_of_range(stores: Stores, scope: Scope, limit: int) -> None:
     with pytest.raises(InvalidArgument):
-        await resume_store(stores).list_resume_admissions(scope, "", limit)
+        await stores.at(scope).resume.list_resume_admissions("", limit)
 
 
 async def test_list_admissions_refuses_a_tampered_or_foreign_cursor(
     stores: Stores, scope: Scope, other_scope: Scope
 ) -> None:
-    rs = resume_store(stores)
     for _ in range(3):
         p = await agent_reply_pause(stores, scope)
-        await rs.admit_resume(scope, admission_request(p, scope))
-    cursor = (await rs.list_resume_admissions(scope, "", 1)).next
+        await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    cursor = (await stores.at(scope).resume.list_resume_admissions("", 1)).next
     assert cursor
     flipped = cursor[:-2] + ("A" if cursor[-2] != "A" else "B") + cursor[-1]
     for bad in [flipped, cursor + "=", cursor[:-3], "not base64!", "x" * 600, "e30", cursor + cursor]:
         with pytest.raises(InvalidArgument, match="cursor"):
-            await rs.list_resume_admissions(scope, bad, 2)
+            await stores.at(scope).resume.list_resume_admissions(bad, 2)
     with pytest.raises(InvalidArgument, match="cursor"):
-        await rs.list_resume_admissions(other_scope, cursor, 2)
+        await stores.at(other_scope).resume.list_resume_admissions(cursor, 2)
 
 
 async def test_admissions_are_counted_per_pause(stores: Stores, scope: Scope, make_stores: MakeStores) -> None:
     # Distinct pauses do not contend with each other: 32 runs admitted at once, 32 fresh admissions.
     pauses = [await agent_reply_pause(stores, scope) for _ in range(32)]
-    contenders = [resume_store(s) for s in await make_stores(32)]
-    results = await race(32, lambda i: contenders[i].admit_resume(scope, admission_request(pauses[i], scope)))
+    contenders = await make_stores(32)
+    results = await race(32, lambda i: contenders[i].at(scope).resume.admit_resume(admission_request(pauses[i], scope)))
     assert Counter(type(r).__name__ for r in results) == {"ResumeAdmission": 32}
     assert all(isinstance(r, ResumeAdmission) and r.fresh for r in results)

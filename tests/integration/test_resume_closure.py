@@ -1,4 +1,4 @@
-"""CloseResume, GetResumeClosure and ResumeCloser on the real database: REFERENCE.md section 7 scenario 50,
+"""CloseResume, GetResumeClosure and ResumeCloser on the real database: docs/scenarios.md, scenario 50,
 the closure-retry race, the closer's guards, and every refusal writing nothing."""
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, PendingCall, SuspendReason
 from intermission.store import Stores
 from intermission.store.closer import ResumeCloser
-from intermission.store.resume import ResumeStore
 from intermission.store.runs import Pause
 from tests.conftest import MakeStores, race
 from tests.support.factories import PausedRun, continuation, lease
@@ -39,22 +38,18 @@ from tests.support.resume import (
     count,
     db_now,
     first_for,
-    resume_store,
     run_row,
     snapshot,
     until_db_clock_passes,
 )
 
-pytestmark = pytest.mark.integration
-
 
 async def test_closure_ends_the_run_incomplete_with_its_event_in_one_transaction(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
-    p, _ = await admitted_and_started(stores, scope, rs)
+    p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
     events_before = await count(stores, "run_events")
 
-    receipt = await rs.close_resume(scope, req)
+    receipt = await stores.at(scope).resume.close_resume(req)
 
     assert receipt.fresh is True
     receipt.validate()
@@ -71,7 +66,7 @@ async def test_closure_ends_the_run_incomplete_with_its_event_in_one_transaction
     # Everything a terminal run no longer has is gone with it.
     assert await count(stores, "suspensions") == 0
     assert await count(stores, "progress") == 0
-    closed = [e for e in await stores.runs.list_run_events(scope, p.run.id) if e["kind"] == "resume_closed"]
+    closed = [e for e in await stores.at(scope).runs.list_run_events(p.run.id) if e["kind"] == "resume_closed"]
     assert len(closed) == 1
     assert closed[0]["event_id"] == receipt.event_id
     assert closed[0]["revision"] == receipt.run_revision
@@ -80,20 +75,21 @@ async def test_closure_ends_the_run_incomplete_with_its_event_in_one_transaction
     failed = [r for r in published if r["routing_key"] == f"run.failed.{scope.routing_suffix()}"]
     assert len(failed) == 1
     assert json.loads(failed[0]["body"])["revision"] == receipt.run_revision
-    stored = await rs.get_resume_closure(scope, p.run.id, p.suspension.id)
+    stored = await stores.at(scope).resume.get_resume_closure(p.run.id, p.suspension.id)
     assert stored.fresh is False
     assert stored.model_dump() == receipt.model_dump()
     stored.validate()
 
 
 async def test_closure_of_a_leased_start_clears_the_lease_and_the_snapshot(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     held = lease()
-    admission = await rs.admit_resume_leased(scope, admission_request(p, scope), held, first_for(p, held))
-    await rs.start_resume_leased(scope, p.run.id, p.suspension.id, admission.request_digest, held, first_for(p, held))
+    admission = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), held, first_for(p, held))
+    await stores.at(scope).resume.start_resume_leased(
+        p.run.id, p.suspension.id, admission.request_digest, held, first_for(p, held)
+    )
 
-    await rs.close_resume(scope, await closure_request(stores, scope, p))
+    await stores.at(scope).resume.close_resume(await closure_request(stores, scope, p))
 
     run = await run_row(stores, p.run.id)
     assert (run["state"], run["lease_owner"], run["lease_expires_at"]) == ("failed", None, None)
@@ -103,15 +99,14 @@ async def test_closure_of_a_leased_start_clears_the_lease_and_the_snapshot(store
 async def test_scenario_50_identical_retry_after_the_proof_expired_returns_the_original_receipt(
     stores: Stores, scope: Scope
 ) -> None:
-    rs = resume_store(stores)
-    p, _ = await admitted_and_started(stores, scope, rs)
+    p, _ = await admitted_and_started(stores, scope)
     # A proof that is valid for two seconds of the database clock; the retry comes after it expired.
     req = await closure_request(stores, scope, p, valid_for=timedelta(seconds=2))
-    original = await rs.close_resume(scope, req)
+    original = await stores.at(scope).resume.close_resume(req)
     await until_db_clock_passes(stores, req.expires_at)
     before = await snapshot(stores)
 
-    again = await rs.close_resume(scope, req)
+    again = await stores.at(scope).resume.close_resume(req)
 
     assert again.fresh is False
     assert again.model_dump() == original.model_dump()
@@ -136,10 +131,9 @@ _CHANGES: list[tuple[str, Any]] = [
 async def test_scenario_50_any_changed_field_after_a_closure_is_refused(
     stores: Stores, scope: Scope, field: str, value: Any
 ) -> None:
-    rs = resume_store(stores)
-    p, _ = await admitted_and_started(stores, scope, rs)
+    p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
-    await rs.close_resume(scope, req)
+    await stores.at(scope).resume.close_resume(req)
     before = await snapshot(stores)
     if value is None:  # times and revisions move by one step
         current = getattr(req, field)
@@ -147,32 +141,30 @@ async def test_scenario_50_any_changed_field_after_a_closure_is_refused(
     changed = req.model_copy(update={field: value})
 
     with pytest.raises(ResumeAdmissionConflict):
-        await rs.close_resume(scope, changed)
+        await stores.at(scope).resume.close_resume(changed)
 
     assert await snapshot(stores) == before
 
 
 async def test_scenario_50_a_stale_revision_is_refused(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
-    p, _ = await admitted_and_started(stores, scope, rs)
+    p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
     before = await snapshot(stores)
     for stale in (req.run_revision - 1, req.run_revision + 1):
         with pytest.raises(RunConflict):
-            await rs.close_resume(scope, req.model_copy(update={"run_revision": stale}))
+            await stores.at(scope).resume.close_resume(req.model_copy(update={"run_revision": stale}))
     assert await snapshot(stores) == before
 
 
 async def test_race_32_identical_closures_make_one_receipt(
     stores: Stores, scope: Scope, make_stores: MakeStores
 ) -> None:
-    rs = resume_store(stores)
-    p, _ = await admitted_and_started(stores, scope, rs)
+    p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
     revision = req.run_revision
-    contenders = [resume_store(s) for s in await make_stores(32)]
+    contenders = await make_stores(32)
 
-    results = await race(32, lambda i: contenders[i].close_resume(scope, req))
+    results = await race(32, lambda i: contenders[i].at(scope).resume.close_resume(req))
 
     receipts = [r for r in results if isinstance(r, ResumeClosure)]
     assert len(receipts) == 32, results
@@ -180,7 +172,7 @@ async def test_race_32_identical_closures_make_one_receipt(
     assert len({r.model_dump_json() for r in receipts}) == 1
     assert (await run_row(stores, p.run.id))["revision"] == revision + 1
     assert await count(stores, "resume_closures") == 1
-    closed = [e for e in await stores.runs.list_run_events(scope, p.run.id) if e["kind"] == "resume_closed"]
+    closed = [e for e in await stores.at(scope).runs.list_run_events(p.run.id) if e["kind"] == "resume_closed"]
     assert len(closed) == 1
 
 
@@ -189,8 +181,7 @@ async def test_race_32_identical_closures_make_one_receipt(
 
 async def _repause(stores: Stores, scope: Scope, p: PausedRun, owner: str) -> PausedRun:
     """The started run pauses again on a new agent-reply question, as the fleet would."""
-    paused = await stores.runs.pause_run(
-        scope,
+    paused = await stores.at(scope).runs.pause_run(
         p.run.id,
         owner,
         Pause(
@@ -203,49 +194,48 @@ async def _repause(stores: Stores, scope: Scope, p: PausedRun, owner: str) -> Pa
     return PausedRun(run=p.run, suspension=paused.suspension, revision=paused.notice.run_revision)
 
 
-async def _started_leased(stores: Stores, scope: Scope, rs: ResumeStore, p: PausedRun, owner: str) -> None:
+async def _started_leased(stores: Stores, scope: Scope, p: PausedRun, owner: str) -> None:
     held = lease(owner)
-    admission = await rs.admit_resume_leased(scope, admission_request(p, scope), held)
-    await rs.start_resume_leased(scope, p.run.id, p.suspension.id, admission.request_digest, held)
+    admission = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), held)
+    await stores.at(scope).resume.start_resume_leased(p.run.id, p.suspension.id, admission.request_digest, held)
 
 
 async def test_closure_of_an_admission_that_is_not_the_latest_is_refused(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     owner = lease().owner
     p = await agent_reply_pause(stores, scope)
-    await _started_leased(stores, scope, rs, p, owner)
+    await _started_leased(stores, scope, p, owner)
     old = await closure_request(stores, scope, p)
     second = await _repause(stores, scope, p, owner)
-    await _started_leased(stores, scope, rs, second, owner)
+    await _started_leased(stores, scope, second, owner)
     current = await run_row(stores, p.run.id)
     before = await snapshot(stores)
 
     with pytest.raises(RunConflict):
-        await rs.close_resume(scope, old.model_copy(update={"run_revision": current["revision"]}))
+        await stores.at(scope).resume.close_resume(old.model_copy(update={"run_revision": current["revision"]}))
 
     assert await snapshot(stores) == before
-    assert (await rs.latest_resume_admission(scope, p.run.id)).request.version.suspension_id == second.suspension.id
+    assert (
+        await stores.at(scope).resume.latest_resume_admission(p.run.id)
+    ).request.version.suspension_id == second.suspension.id
 
 
 async def test_closure_of_a_run_that_paused_again_is_invalid_state(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     owner = lease().owner
     p = await agent_reply_pause(stores, scope)
-    await _started_leased(stores, scope, rs, p, owner)
+    await _started_leased(stores, scope, p, owner)
     req = await closure_request(stores, scope, p)
     second = await _repause(stores, scope, p, owner)
     before = await snapshot(stores)
 
     with pytest.raises(InvalidState):
-        await rs.close_resume(scope, req.model_copy(update={"run_revision": second.revision}))
+        await stores.at(scope).resume.close_resume(req.model_copy(update={"run_revision": second.revision}))
 
     assert await snapshot(stores) == before
 
 
 async def test_closure_of_an_admission_that_never_started_is_refused(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
-    admission = await rs.admit_resume(scope, admission_request(p, scope))
+    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
     now = await db_now(stores)
     req = ResumeClosureRequest(
         scope=scope,
@@ -263,52 +253,49 @@ async def test_closure_of_an_admission_that_never_started_is_refused(stores: Sto
     )
     before = await snapshot(stores)
     with pytest.raises(ResumeAdmissionNotFound):
-        await rs.close_resume(scope, req)
+        await stores.at(scope).resume.close_resume(req)
     assert await snapshot(stores) == before
 
 
 async def test_closure_with_an_expired_proof_is_forbidden(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
-    p, _ = await admitted_and_started(stores, scope, rs)
+    p, _ = await admitted_and_started(stores, scope)
     now = await db_now(stores)
     req = await closure_request(
         stores, scope, p, observed_at=now - timedelta(hours=2), expires_at=now - timedelta(hours=1)
     )
     before = await snapshot(stores)
     with pytest.raises(Forbidden):
-        await rs.close_resume(scope, req)
+        await stores.at(scope).resume.close_resume(req)
     assert await snapshot(stores) == before
 
 
 async def test_closure_from_another_scope_finds_nothing(stores: Stores, scope: Scope, other_scope: Scope) -> None:
-    rs = resume_store(stores)
-    p, _ = await admitted_and_started(stores, scope, rs)
+    p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
     before = await snapshot(stores)
     with pytest.raises(ResumeAdmissionNotFound):
-        await rs.close_resume(other_scope, req.model_copy(update={"scope": other_scope}))
+        await stores.at(other_scope).resume.close_resume(req.model_copy(update={"scope": other_scope}))
     with pytest.raises(InvalidArgument):
-        await rs.close_resume(other_scope, req)  # bound to one scope, sent under another
+        await stores.at(other_scope).resume.close_resume(req)  # bound to one scope, sent under another
     with pytest.raises(InvalidScope):
-        await rs.close_resume(Scope.model_construct(app="", tenant=""), req)
-    await rs.close_resume(scope, req)
+        await stores.at(Scope.model_construct(app="", tenant="")).resume.close_resume(req)
+    await stores.at(scope).resume.close_resume(req)
     with pytest.raises(ResumeAdmissionNotFound):
-        await rs.get_resume_closure(other_scope, p.run.id, p.suspension.id)
+        await stores.at(other_scope).resume.get_resume_closure(p.run.id, p.suspension.id)
     assert await count(stores, "resume_closures") == 1
     assert before["resume_closures"] == 0
 
 
 async def test_closure_of_an_unknown_run_is_not_found(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
-    p, _ = await admitted_and_started(stores, scope, rs)
+    p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
     before = await snapshot(stores)
     with pytest.raises(ResumeAdmissionNotFound):
-        await rs.close_resume(
-            scope, req.model_copy(update={"version": ClaimVersion(run_id="ghost", suspension_id=1, run_revision=1)})
+        await stores.at(scope).resume.close_resume(
+            req.model_copy(update={"version": ClaimVersion(run_id="ghost", suspension_id=1, run_revision=1)})
         )
     with pytest.raises(ResumeAdmissionNotFound):
-        await rs.get_resume_closure(scope, p.run.id, p.suspension.id)
+        await stores.at(scope).resume.get_resume_closure(p.run.id, p.suspension.id)
     assert await snapshot(stores) == before
 
 
@@ -333,14 +320,13 @@ _MALFORMED: list[tuple[str, dict[str, Any], type[Exception]]] = [
 async def test_malformed_closure_requests_are_refused_and_write_nothing(
     stores: Stores, scope: Scope, changes: dict[str, Any], error: type[Exception]
 ) -> None:
-    rs = resume_store(stores)
-    p, _ = await admitted_and_started(stores, scope, rs)
+    p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
     if changes.get("expires_at", 1) is None:
         changes = {"expires_at": req.observed_at}
     before = await snapshot(stores)
     with pytest.raises(error):
-        await rs.close_resume(scope, req.model_copy(update=changes))
+        await stores.at(scope).resume.close_resume(req.model_copy(update=changes))
     assert await snapshot(stores) == before
 
 
@@ -376,13 +362,13 @@ class Authorizer:
             raise Forbidden("access revoked")
 
 
-def _closer(stores: Stores) -> tuple[ResumeCloser, Fence, Authorizer]:
+def _closer(stores: Stores, scope: Scope) -> tuple[ResumeCloser, Fence, Authorizer]:
     fence, authorizer = Fence(), Authorizer()
-    return ResumeCloser(resume_store(stores), fence, authorizer), fence, authorizer
+    return ResumeCloser(stores.at(scope).resume, fence, authorizer), fence, authorizer
 
 
-async def test_closer_requires_a_store_a_fence_and_an_authorizer(stores: Stores) -> None:
-    rs, fence, authorizer = resume_store(stores), Fence(), Authorizer()
+async def test_closer_requires_a_store_a_fence_and_an_authorizer(stores: Stores, scope: Scope) -> None:
+    rs, fence, authorizer = stores.at(scope).resume, Fence(), Authorizer()
     for store_, fence_, authorizer_ in [(None, fence, authorizer), (rs, None, authorizer), (rs, fence, None)]:
         with pytest.raises(InvalidArgument):
             ResumeCloser(store_, fence_, authorizer_)  # type: ignore[arg-type]
@@ -394,7 +380,7 @@ async def test_closer_requires_a_store_a_fence_and_an_authorizer(stores: Stores)
 
 
 async def test_closer_closes_under_the_fence_after_authorizing(stores: Stores, scope: Scope) -> None:
-    closer, fence, authorizer = _closer(stores)
+    closer, fence, authorizer = _closer(stores, scope)
     p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
 
@@ -407,7 +393,7 @@ async def test_closer_closes_under_the_fence_after_authorizing(stores: Stores, s
 
 
 async def test_closer_rechecks_authority_on_historical_retries(stores: Stores, scope: Scope) -> None:
-    closer, fence, authorizer = _closer(stores)
+    closer, fence, authorizer = _closer(stores, scope)
     p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
     original = await closer.close(scope, req)
@@ -427,7 +413,7 @@ async def test_closer_rechecks_authority_on_historical_retries(stores: Stores, s
 
 
 async def test_closer_refused_by_the_authorizer_writes_nothing(stores: Stores, scope: Scope) -> None:
-    closer, _, authorizer = _closer(stores)
+    closer, _, authorizer = _closer(stores, scope)
     p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
     authorizer.allowed = False
@@ -438,7 +424,7 @@ async def test_closer_refused_by_the_authorizer_writes_nothing(stores: Stores, s
 
 
 async def test_closer_refuses_a_fence_that_skips_or_swaps_the_request(stores: Stores, scope: Scope) -> None:
-    closer, fence, authorizer = _closer(stores)
+    closer, fence, authorizer = _closer(stores, scope)
     p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
     before = await snapshot(stores)
@@ -457,7 +443,7 @@ async def test_closer_refuses_a_fence_that_skips_or_swaps_the_request(stores: St
 
 async def test_closer_bounds_each_operation(stores: Stores, scope: Scope) -> None:
     fence, authorizer = Fence(), Authorizer()
-    closer = ResumeCloser(resume_store(stores), fence, authorizer, timeout_seconds=0.05)
+    closer = ResumeCloser(stores.at(scope).resume, fence, authorizer, timeout_seconds=0.05)
     p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
     fence.hang = True
@@ -468,7 +454,7 @@ async def test_closer_bounds_each_operation(stores: Stores, scope: Scope) -> Non
 
 
 async def test_closer_refuses_malformed_requests_before_asking_anyone(stores: Stores, scope: Scope) -> None:
-    closer, fence, authorizer = _closer(stores)
+    closer, fence, authorizer = _closer(stores, scope)
     p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
     with pytest.raises(UnsupportedSchemaVersion):

@@ -1,4 +1,4 @@
-"""ListAgentReplyRuns and LatestResumeAdmission on the real database: REFERENCE.md section 7 scenario 51,
+"""ListAgentReplyRuns and LatestResumeAdmission on the real database: docs/scenarios.md, scenario 51,
 and the recovery reads a restarted worker reconciles from."""
 
 from __future__ import annotations
@@ -15,40 +15,34 @@ from tests.support.factories import PausedRun, continuation, lease, paused_run
 from tests.support.resume import (
     admission_request,
     agent_reply_pause,
-    resume_store,
     snapshot,
     until_db_clock_passes,
 )
-
-pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("limit", [0, -1, 257, 10**6])
 async def test_scenario_51_limit_out_of_range_is_refused(stores: Stores, scope: Scope, limit: int) -> None:
     before = await snapshot(stores)
     with pytest.raises(InvalidArgument):
-        await resume_store(stores).list_agent_reply_runs(scope, "", limit)
+        await stores.at(scope).resume.list_agent_reply_runs("", limit)
     assert await snapshot(stores) == before
 
 
 async def test_scenario_51_limits_at_the_bounds_are_accepted(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
-    assert await rs.list_agent_reply_runs(scope, "", 1) == []
-    assert await rs.list_agent_reply_runs(scope, "", 256) == []
+    assert await stores.at(scope).resume.list_agent_reply_runs("", 1) == []
+    assert await stores.at(scope).resume.list_agent_reply_runs("", 256) == []
 
 
 async def test_scenario_51_refuses_a_malformed_cursor_and_scope(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     with pytest.raises(InvalidArgument):
-        await rs.list_agent_reply_runs(scope, "not a run id", 10)
+        await stores.at(scope).resume.list_agent_reply_runs("not a run id", 10)
     with pytest.raises(InvalidScope):
-        await rs.list_agent_reply_runs(Scope.model_construct(app="a", tenant=""), "", 10)
+        await stores.at(Scope.model_construct(app="a", tenant="")).resume.list_agent_reply_runs("", 10)
 
 
 async def test_scenario_51_discovery_includes_every_kind_of_agent_reply_run_and_nothing_else(
     stores: Stores, scope: Scope, other_scope: Scope
 ) -> None:
-    rs = resume_store(stores)
     # A live, unadmitted agent-reply pause.
     waiting = await agent_reply_pause(stores, scope, run_id="r-01-waiting")
     # An expired one, never admitted.
@@ -56,13 +50,13 @@ async def test_scenario_51_discovery_includes_every_kind_of_agent_reply_run_and_
     assert expired.suspension.expires_at is not None
     # An admitted one, its pause retained.
     admitted = await agent_reply_pause(stores, scope, run_id="r-03-admitted")
-    await rs.admit_resume(scope, admission_request(admitted, scope))
+    await stores.at(scope).resume.admit_resume(admission_request(admitted, scope))
     # A running admission whose pause row is gone (the fleet deleted it after the start).
     gone = await agent_reply_pause(stores, scope, run_id="r-04-pause-gone")
     held = lease()
-    a = await rs.admit_resume_leased(scope, admission_request(gone, scope), held)
-    await rs.start_resume(scope, gone.run.id, gone.suspension.id, a.request_digest)
-    await stores.suspensions.delete_suspension(scope, gone.run.id)
+    a = await stores.at(scope).resume.admit_resume_leased(admission_request(gone, scope), held)
+    await stores.at(scope).resume.start_resume(gone.run.id, gone.suspension.id, a.request_digest)
+    await stores.at(scope).suspensions.delete_suspension(gone.run.id)
     # Not agent replies, or not this scope, or no longer held by their admission.
     await paused_run(stores, scope, reason=SuspendReason.EXTERNAL_TOOL, run_id="r-05-external")
     await paused_run(stores, scope, reason=SuspendReason.APPROVAL, run_id="r-06-approval")
@@ -70,13 +64,12 @@ async def test_scenario_51_discovery_includes_every_kind_of_agent_reply_run_and_
     await agent_reply_pause(stores, Scope(app="acme", tenant="t1-child"), run_id="r-08-child-scope")
     ended = await agent_reply_pause(stores, scope, run_id="r-09-ended")
     held_ended = lease()
-    await rs.admit_resume_leased(scope, admission_request(ended, scope), held_ended)
-    await stores.runs.end_run(scope, ended.run.id, held_ended.owner, RunEventKind.COMPLETED, output="ok")
+    await stores.at(scope).resume.admit_resume_leased(admission_request(ended, scope), held_ended)
+    await stores.at(scope).runs.end_run(ended.run.id, held_ended.owner, RunEventKind.COMPLETED, output="ok")
     moved_on = await agent_reply_pause(stores, scope, run_id="r-10-moved-on")
     held_moved = lease()
-    await rs.admit_resume_leased(scope, admission_request(moved_on, scope), held_moved)
-    await stores.runs.pause_run(
-        scope,
+    await stores.at(scope).resume.admit_resume_leased(admission_request(moved_on, scope), held_moved)
+    await stores.at(scope).runs.pause_run(
         moved_on.run.id,
         held_moved.owner,
         Pause(
@@ -88,13 +81,12 @@ async def test_scenario_51_discovery_includes_every_kind_of_agent_reply_run_and_
     )
     await until_db_clock_passes(stores, expired.suspension.expires_at)
 
-    found = await rs.list_agent_reply_runs(scope, "", 256)
+    found = await stores.at(scope).resume.list_agent_reply_runs("", 256)
 
     assert found == [waiting.run.id, expired.run.id, admitted.run.id, gone.run.id]
 
 
 async def test_scenario_51_pages_strictly_after_the_cursor_in_ascending_order(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     # Mixed case and punctuation: the order is bytewise, whatever the database's collation.
     ids = ["B-run", "a-run", "a.run", "a_run", "Z:9", "0-first"]
     for run_id in ids:
@@ -104,7 +96,7 @@ async def test_scenario_51_pages_strictly_after_the_cursor_in_ascending_order(st
     pages: list[list[str]] = []
     after = ""
     while True:
-        page = await rs.list_agent_reply_runs(scope, after, 4)
+        page = await stores.at(scope).resume.list_agent_reply_runs(after, 4)
         if not page:
             break
         pages.append(page)
@@ -113,19 +105,17 @@ async def test_scenario_51_pages_strictly_after_the_cursor_in_ascending_order(st
 
     assert [run_id for page in pages for run_id in page] == expected
     assert [len(page) for page in pages] == [4, 2]
-    assert await rs.list_agent_reply_runs(scope, expected[2], 256) == expected[3:]
-    assert await rs.list_agent_reply_runs(scope, expected[-1], 256) == []
+    assert await stores.at(scope).resume.list_agent_reply_runs(expected[2], 256) == expected[3:]
+    assert await stores.at(scope).resume.list_agent_reply_runs(expected[-1], 256) == []
 
 
 async def test_latest_admission_is_the_highest_suspension_id(stores: Stores, scope: Scope) -> None:
-    rs = resume_store(stores)
     p = await agent_reply_pause(stores, scope)
     held = lease()
-    first = await rs.admit_resume_leased(scope, admission_request(p, scope), held)
-    await rs.start_resume_leased(scope, p.run.id, p.suspension.id, first.request_digest, held)
-    assert (await rs.latest_resume_admission(scope, p.run.id)).request_digest == first.request_digest
-    paused = await stores.runs.pause_run(
-        scope,
+    first = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), held)
+    await stores.at(scope).resume.start_resume_leased(p.run.id, p.suspension.id, first.request_digest, held)
+    assert (await stores.at(scope).resume.latest_resume_admission(p.run.id)).request_digest == first.request_digest
+    paused = await stores.at(scope).runs.pause_run(
         p.run.id,
         held.owner,
         Pause(
@@ -137,19 +127,21 @@ async def test_latest_admission_is_the_highest_suspension_id(stores: Stores, sco
     )
     assert paused.suspension.id > p.suspension.id
     second_pause = PausedRun(run=p.run, suspension=paused.suspension, revision=paused.notice.run_revision)
-    second = await rs.admit_resume(scope, admission_request(second_pause, scope))
+    second = await stores.at(scope).resume.admit_resume(admission_request(second_pause, scope))
 
-    latest = await rs.latest_resume_admission(scope, p.run.id)
+    latest = await stores.at(scope).resume.latest_resume_admission(p.run.id)
 
     assert latest.request.version.suspension_id == paused.suspension.id
     assert latest.request_digest == second.request_digest
     # The first admission is retained after its pause was replaced.
-    assert (await rs.get_resume_admission(scope, p.run.id, p.suspension.id)).request_digest == first.request_digest
+    assert (
+        await stores.at(scope).resume.get_resume_admission(p.run.id, p.suspension.id)
+    ).request_digest == first.request_digest
 
 
 async def test_latest_admission_of_a_run_with_none_is_not_found(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
     with pytest.raises(ResumeAdmissionNotFound):
-        await resume_store(stores).latest_resume_admission(scope, p.run.id)
+        await stores.at(scope).resume.latest_resume_admission(p.run.id)
     with pytest.raises(InvalidArgument):
-        await resume_store(stores).latest_resume_admission(scope, "")
+        await stores.at(scope).resume.latest_resume_admission("")

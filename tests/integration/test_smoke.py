@@ -13,18 +13,17 @@ from tests.support.factories import lease, paused_run
 async def test_claim_then_second_claim(stores: Stores, scope: Scope) -> None:
     p = await paused_run(stores, scope)
     held = lease()
-    got = await stores.suspensions.claim_suspension_leased(
-        scope,
+    got = await stores.at(scope).suspensions.claim_suspension_leased(
         LeasedClaim(
             version=ClaimVersion(run_id=p.run.id, suspension_id=p.suspension.id, run_revision=p.revision),
             lease=held,
             first=Progress(run_id=p.run.id, owner=held.owner, continuation=p.suspension.continuation),
         ),
     )
-    assert got.claimed_run is not None
-    assert got.claimed_run.state is RunState.RUNNING
-    assert got.claimed_run.revision == p.revision + 1
+    assert got.run is not None
+    assert got.run.state is RunState.RUNNING
+    assert got.run.revision == p.revision + 1
     with pytest.raises(NotSuspended):
-        await stores.suspensions.claim_suspension(scope, p.run.id)
-    prog = await stores.progress.get_progress(scope, p.run.id)
+        await stores.at(scope).suspensions.claim_suspension(p.run.id)
+    prog = await stores.at(scope).progress.get_progress(p.run.id)
     assert prog.continuation.prepared == b"\x00\x01opaque\xff"

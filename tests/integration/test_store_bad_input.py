@@ -8,7 +8,7 @@ else runs against the live database and compares every row of every table before
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,14 +35,11 @@ from tests.support.inspect import (
     FAR_FUTURE,
     Inspector,
     closed_stores,
-    inspector,
     leased,
     pin,
     snapshot_for,
     unvalidated_scope,
 )
-
-pytestmark = pytest.mark.integration
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 RUN = "run-bad-input"
@@ -57,31 +54,31 @@ def _pause() -> Pause:
 
 # Every store method that takes a scope, called with arguments that are fine in every other respect.
 SCOPED_CALLS: dict[str, Call] = {
-    "create_suspension": lambda s, sc: s.suspensions.create_suspension(
-        sc, Suspension(run_id=RUN, scope=Scope(app="a", tenant="t"), reason=SuspendReason.APPROVAL)
+    "create_suspension": lambda s, sc: s.at(sc).suspensions.create_suspension(
+        Suspension(run_id=RUN, scope=Scope(app="a", tenant="t"), reason=SuspendReason.APPROVAL)
     ),
-    "get_suspension": lambda s, sc: s.suspensions.get_suspension(sc, RUN),
-    "delete_suspension": lambda s, sc: s.suspensions.delete_suspension(sc, RUN),
-    "list_expired": lambda s, sc: s.suspensions.list_expired(sc, NOW, 10),
-    "claim_suspension": lambda s, sc: s.suspensions.claim_suspension(sc, RUN),
-    "claim_expired_suspension": lambda s, sc: s.suspensions.claim_expired_suspension(sc, RUN, NOW),
-    "claim_suspension_version": lambda s, sc: s.suspensions.claim_suspension_version(sc, VERSION),
-    "claim_suspension_leased": lambda s, sc: s.suspensions.claim_suspension_leased(
-        sc, LeasedClaim(version=VERSION, lease=Lease(owner="w", ttl_seconds=30))
+    "get_suspension": lambda s, sc: s.at(sc).suspensions.get_suspension(RUN),
+    "delete_suspension": lambda s, sc: s.at(sc).suspensions.delete_suspension(RUN),
+    "list_expired": lambda s, sc: s.at(sc).suspensions.list_expired(NOW, 10),
+    "claim_suspension": lambda s, sc: s.at(sc).suspensions.claim_suspension(RUN),
+    "claim_expired_suspension": lambda s, sc: s.at(sc).suspensions.claim_expired_suspension(RUN, NOW),
+    "claim_suspension_version": lambda s, sc: s.at(sc).suspensions.claim_suspension_version(VERSION),
+    "claim_suspension_leased": lambda s, sc: s.at(sc).suspensions.claim_suspension_leased(
+        LeasedClaim(version=VERSION, lease=Lease(owner="w", ttl_seconds=30))
     ),
-    "save_progress": lambda s, sc: s.progress.save_progress(sc, Progress(run_id=RUN, owner="w")),
-    "get_progress": lambda s, sc: s.progress.get_progress(sc, RUN),
-    "delete_progress": lambda s, sc: s.progress.delete_progress(sc, RUN),
-    "create_run": lambda s, sc: s.runs.create_run(sc, NewRun(run_id=RUN, agent_id="demo")),
-    "get_run": lambda s, sc: s.runs.get_run(sc, RUN),
-    "renew_lease": lambda s, sc: s.runs.renew_lease(sc, RUN, Lease(owner="w", ttl_seconds=30)),
-    "release_lease": lambda s, sc: s.runs.release_lease(sc, RUN, "w"),
-    "claim_continuation_leased": lambda s, sc: s.runs.claim_continuation_leased(
-        sc, RUN, Lease(owner="w", ttl_seconds=30)
+    "save_progress": lambda s, sc: s.at(sc).progress.save_progress(Progress(run_id=RUN, owner="w")),
+    "get_progress": lambda s, sc: s.at(sc).progress.get_progress(RUN),
+    "delete_progress": lambda s, sc: s.at(sc).progress.delete_progress(RUN),
+    "create_run": lambda s, sc: s.at(sc).runs.create_run(NewRun(run_id=RUN, agent_id="demo")),
+    "get_run": lambda s, sc: s.at(sc).runs.get_run(RUN),
+    "renew_lease": lambda s, sc: s.at(sc).runs.renew_lease(RUN, Lease(owner="w", ttl_seconds=30)),
+    "release_lease": lambda s, sc: s.at(sc).runs.release_lease(RUN, "w"),
+    "claim_continuation_leased": lambda s, sc: s.at(sc).runs.claim_continuation_leased(
+        RUN, Lease(owner="w", ttl_seconds=30)
     ),
-    "pause_run": lambda s, sc: s.runs.pause_run(sc, RUN, "w", _pause()),
-    "end_run": lambda s, sc: s.runs.end_run(sc, RUN, "w", RunEventKind.COMPLETED),
-    "list_run_events": lambda s, sc: s.runs.list_run_events(sc, RUN),
+    "pause_run": lambda s, sc: s.at(sc).runs.pause_run(RUN, "w", _pause()),
+    "end_run": lambda s, sc: s.at(sc).runs.end_run(RUN, "w", RunEventKind.COMPLETED),
+    "list_run_events": lambda s, sc: s.at(sc).runs.list_run_events(RUN),
 }
 
 BAD_SCOPES: dict[str, object] = {
@@ -97,12 +94,6 @@ BAD_SCOPES: dict[str, object] = {
     "not-a-string": unvalidated_scope(app=7, tenant="t1"),
     "a-dict": {"app": "acme", "tenant": "t1"},
 }
-
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[Inspector]:
-    async with inspector(database_url) as i:
-        yield i
 
 
 @pytest.fixture
@@ -139,29 +130,29 @@ async def test_bad_limits_and_ttls_and_half_leases_are_refused_before_any_databa
 ) -> None:
     for limit in (-1, -100):
         with pytest.raises(InvalidArgument):
-            await dead.suspensions.list_expired(scope, NOW, limit)
+            await dead.at(scope).suspensions.list_expired(NOW, limit)
         with pytest.raises(InvalidArgument):
-            await dead.suspensions.list_expired_across_scopes(NOW, limit)
+            await dead.across_scopes.list_expired_across_scopes(NOW, limit)
     for limit in (0, -1):
         with pytest.raises(InvalidArgument):
-            await dead.runs.reclaim_lapsed(lease(), limit)
+            await dead.across_scopes.reclaim_lapsed(lease(), limit)
     s = Suspension(run_id=RUN, scope=scope, reason=SuspendReason.APPROVAL)
     for ttl in (-1.0, math.nan, math.inf):
         with pytest.raises(InvalidArgument):
-            await dead.suspensions.create_suspension(scope, s, ttl_seconds=ttl)
+            await dead.at(scope).suspensions.create_suspension(s, ttl_seconds=ttl)
     for half in (Lease(owner="w"), Lease(ttl_seconds=30), Lease(), Lease(owner="w", ttl_seconds=-5)):
         with pytest.raises(RunLeaseLost):
-            await dead.suspensions.claim_suspension_leased(scope, LeasedClaim(version=VERSION, lease=half))
+            await dead.at(scope).suspensions.claim_suspension_leased(LeasedClaim(version=VERSION, lease=half))
         with pytest.raises(RunLeaseLost):
-            await dead.runs.claim_continuation_leased(scope, RUN, half)
+            await dead.at(scope).runs.claim_continuation_leased(RUN, half)
         with pytest.raises(RunLeaseLost):
-            await dead.runs.renew_lease(scope, RUN, half)
+            await dead.at(scope).runs.renew_lease(RUN, half)
         with pytest.raises(RunLeaseLost):
-            await dead.runs.create_run(scope, NewRun(run_id=RUN, agent_id="demo"), half)
+            await dead.at(scope).runs.create_run(NewRun(run_id=RUN, agent_id="demo"), half)
         with pytest.raises(RunLeaseLost):
-            await dead.runs.reclaim_lapsed(half, 10)
+            await dead.across_scopes.reclaim_lapsed(half, 10)
     with pytest.raises(RunLeaseLost):
-        await dead.progress.save_progress(scope, Progress(run_id=RUN, owner=""))
+        await dead.at(scope).progress.save_progress(Progress(run_id=RUN, owner=""))
 
 
 async def test_a_missing_run_gets_its_typed_error_and_nothing_is_written(
@@ -176,32 +167,32 @@ async def test_a_missing_run_gets_its_typed_error_and_nothing_is_written(
     claim = LeasedClaim(version=version, lease=held)
 
     refusals: list[tuple[type[Exception], Callable[[], Awaitable[object]]]] = [
-        (RunNotFound, lambda: stores.runs.get_run(scope, missing)),
-        (NotSuspended, lambda: stores.suspensions.get_suspension(scope, missing)),
-        (NotSuspended, lambda: stores.suspensions.delete_suspension(scope, missing)),
-        (NotSuspended, lambda: stores.suspensions.claim_suspension(scope, missing)),
-        (NotSuspended, lambda: stores.suspensions.claim_expired_suspension(scope, missing, FAR_FUTURE)),
-        (NotSuspended, lambda: stores.suspensions.claim_suspension_version(scope, version)),
-        (NotSuspended, lambda: stores.suspensions.claim_suspension_leased(scope, claim)),
+        (RunNotFound, lambda: stores.at(scope).runs.get_run(missing)),
+        (NotSuspended, lambda: stores.at(scope).suspensions.get_suspension(missing)),
+        (NotSuspended, lambda: stores.at(scope).suspensions.delete_suspension(missing)),
+        (NotSuspended, lambda: stores.at(scope).suspensions.claim_suspension(missing)),
+        (NotSuspended, lambda: stores.at(scope).suspensions.claim_expired_suspension(missing, FAR_FUTURE)),
+        (NotSuspended, lambda: stores.at(scope).suspensions.claim_suspension_version(version)),
+        (NotSuspended, lambda: stores.at(scope).suspensions.claim_suspension_leased(claim)),
         (
             RunNotFound,
-            lambda: stores.suspensions.create_suspension(
-                scope, Suspension(run_id=missing, scope=scope, reason=SuspendReason.APPROVAL)
+            lambda: stores.at(scope).suspensions.create_suspension(
+                Suspension(run_id=missing, scope=scope, reason=SuspendReason.APPROVAL)
             ),
         ),
-        (RunNotFound, lambda: stores.runs.claim_continuation_leased(scope, missing, held)),
-        (ProgressNotFound, lambda: stores.progress.get_progress(scope, missing)),
-        (RunLeaseLost, lambda: stores.progress.save_progress(scope, snapshot_for(missing, held.owner))),
-        (RunLeaseLost, lambda: stores.runs.renew_lease(scope, missing, held)),
-        (RunLeaseLost, lambda: stores.runs.pause_run(scope, missing, held.owner, _pause())),
-        (RunLeaseLost, lambda: stores.runs.end_run(scope, missing, held.owner, RunEventKind.FAILED, error="x")),
+        (RunNotFound, lambda: stores.at(scope).runs.claim_continuation_leased(missing, held)),
+        (ProgressNotFound, lambda: stores.at(scope).progress.get_progress(missing)),
+        (RunLeaseLost, lambda: stores.at(scope).progress.save_progress(snapshot_for(missing, held.owner))),
+        (RunLeaseLost, lambda: stores.at(scope).runs.renew_lease(missing, held)),
+        (RunLeaseLost, lambda: stores.at(scope).runs.pause_run(missing, held.owner, _pause())),
+        (RunLeaseLost, lambda: stores.at(scope).runs.end_run(missing, held.owner, RunEventKind.FAILED, error="x")),
     ]
     for error, call in refusals:
         with pytest.raises(error):
             await call()
-    assert await stores.runs.release_lease(scope, missing, held.owner) is False
-    assert await stores.runs.list_run_events(scope, missing) == []
-    await stores.progress.delete_progress(scope, missing)
+    assert await stores.at(scope).runs.release_lease(missing, held.owner) is False
+    assert await stores.at(scope).runs.list_run_events(missing) == []
+    await stores.at(scope).progress.delete_progress(missing)
 
     assert await db.snapshot() == before
 
@@ -216,47 +207,46 @@ async def test_bad_arguments_on_live_runs_are_refused_and_nothing_is_written(
 
     # A first snapshot for another run than the one claimed or created.
     with pytest.raises(InvalidArgument):
-        await stores.suspensions.claim_suspension_leased(
-            scope, LeasedClaim(version=pin(p), lease=other, first=snapshot_for(run.id, other.owner))
+        await stores.at(scope).suspensions.claim_suspension_leased(
+            LeasedClaim(version=pin(p), lease=other, first=snapshot_for(run.id, other.owner))
         )
     with pytest.raises(InvalidArgument):
-        await stores.runs.create_run(
-            scope, NewRun(run_id="run-new", agent_id="demo"), other, snapshot_for(run.id, other.owner)
+        await stores.at(scope).runs.create_run(
+            NewRun(run_id="run-new", agent_id="demo"), other, snapshot_for(run.id, other.owner)
         )
     # A first snapshot owned by someone other than the lease owner.
     with pytest.raises(RunLeaseLost):
-        await stores.suspensions.claim_suspension_leased(
-            scope, LeasedClaim(version=pin(p), lease=other, first=snapshot_for(p.run.id, "someone-else"))
+        await stores.at(scope).suspensions.claim_suspension_leased(
+            LeasedClaim(version=pin(p), lease=other, first=snapshot_for(p.run.id, "someone-else"))
         )
     with pytest.raises(RunLeaseLost):
-        await stores.runs.create_run(
-            scope, NewRun(run_id="run-new", agent_id="demo"), other, snapshot_for("run-new", "someone-else")
+        await stores.at(scope).runs.create_run(
+            NewRun(run_id="run-new", agent_id="demo"), other, snapshot_for("run-new", "someone-else")
         )
     with pytest.raises(RunLeaseLost):
-        await stores.runs.claim_continuation_leased(scope, run.id, other, snapshot_for(run.id, "someone-else"))
+        await stores.at(scope).runs.claim_continuation_leased(run.id, other, snapshot_for(run.id, "someone-else"))
     # A pause with nothing pending, or with a deadline that is no duration.
     with pytest.raises(InvalidArgument):
-        await stores.runs.pause_run(scope, run.id, held.owner, Pause(SuspendReason.APPROVAL, [], continuation()))
+        await stores.at(scope).runs.pause_run(run.id, held.owner, Pause(SuspendReason.APPROVAL, [], continuation()))
     for ttl in (-1.0, math.nan, math.inf):
         with pytest.raises(InvalidArgument):
-            await stores.runs.pause_run(
-                scope,
+            await stores.at(scope).runs.pause_run(
                 run.id,
                 held.owner,
                 Pause(SuspendReason.APPROVAL, [PendingCall(id="c", name="n")], continuation(), ttl_seconds=ttl),
             )
     # "resumed" is an event, not an end.
     with pytest.raises(InvalidArgument):
-        await stores.runs.end_run(scope, run.id, held.owner, RunEventKind.RESUMED)
+        await stores.at(scope).runs.end_run(run.id, held.owner, RunEventKind.RESUMED)
     # An empty owner never holds a lease.
     for call in (
-        lambda: stores.progress.save_progress(scope, snapshot_for(run.id, "")),
-        lambda: stores.runs.pause_run(scope, run.id, "", _pause()),
-        lambda: stores.runs.end_run(scope, run.id, "", RunEventKind.COMPLETED),
+        lambda: stores.at(scope).progress.save_progress(snapshot_for(run.id, "")),
+        lambda: stores.at(scope).runs.pause_run(run.id, "", _pause()),
+        lambda: stores.at(scope).runs.end_run(run.id, "", RunEventKind.COMPLETED),
     ):
         with pytest.raises(RunLeaseLost):
             await call()
-    assert await stores.runs.release_lease(scope, run.id, "") is False
+    assert await stores.at(scope).runs.release_lease(run.id, "") is False
 
     assert await db.snapshot() == before
 
@@ -273,7 +263,7 @@ async def test_a_first_snapshot_for_another_run_is_refused_by_a_continuation_cla
     before = await db.snapshot()
 
     with pytest.raises(InvalidArgument):
-        await stores.runs.claim_continuation_leased(scope, run.id, heir, snapshot_for(elsewhere.id, heir.owner))
+        await stores.at(scope).runs.claim_continuation_leased(run.id, heir, snapshot_for(elsewhere.id, heir.owner))
 
     assert await db.snapshot() == before
 
@@ -301,14 +291,14 @@ async def test_a_malformed_suspension_row_is_invalid_continuation_and_a_claim_wr
     before = await db.snapshot()
 
     with pytest.raises(InvalidContinuation):
-        await stores.suspensions.get_suspension(scope, p.run.id)
+        await stores.at(scope).suspensions.get_suspension(p.run.id)
     # A claim that cannot read the pause it would claim must not claim it: the run stays paused.
     with pytest.raises(InvalidContinuation):
-        await stores.suspensions.claim_suspension(scope, p.run.id)
+        await stores.at(scope).suspensions.claim_suspension(p.run.id)
     with pytest.raises(InvalidContinuation):
-        await stores.suspensions.claim_suspension_version(scope, pin(p))
+        await stores.at(scope).suspensions.claim_suspension_version(pin(p))
     with pytest.raises(InvalidContinuation):
-        await stores.suspensions.claim_suspension_leased(scope, leased(p))
+        await stores.at(scope).suspensions.claim_suspension_leased(leased(p))
 
     assert await db.snapshot() == before
     assert (await db.run(p.run.id))["state"] == "paused"
@@ -323,13 +313,13 @@ async def test_a_malformed_expired_row_is_invalid_continuation_for_the_sweepers_
     before = await db.snapshot()
 
     with pytest.raises(InvalidContinuation):
-        await stores.suspensions.list_expired(scope, FAR_FUTURE, None)
+        await stores.at(scope).suspensions.list_expired(FAR_FUTURE, None)
     with pytest.raises(InvalidContinuation):
-        await stores.suspensions.list_expired_across_scopes(FAR_FUTURE, None)
+        await stores.across_scopes.list_expired_across_scopes(FAR_FUTURE, None)
     with pytest.raises(InvalidContinuation):
-        await stores.suspensions.claim_expired_suspension(scope, p.run.id, FAR_FUTURE)
+        await stores.at(scope).suspensions.claim_expired_suspension(p.run.id, FAR_FUTURE)
     with pytest.raises(InvalidContinuation):
-        await stores.suspensions.claim_suspension_leased(scope, leased(p, expired_by=FAR_FUTURE))
+        await stores.at(scope).suspensions.claim_suspension_leased(leased(p, expired_by=FAR_FUTURE))
 
     assert await db.snapshot() == before
 
@@ -348,17 +338,17 @@ async def test_a_malformed_progress_row_is_invalid_continuation_and_a_reclaim_wr
     stores: Stores, db: Inspector, scope: Scope, column: str, bad: str
 ) -> None:
     run, held = await running_run(stores, scope)
-    await stores.progress.save_progress(scope, snapshot_for(run.id, held.owner))
-    await stores.runs.renew_lease(scope, run.id, held.model_copy(update={"ttl_seconds": 0.001}))
+    await stores.at(scope).progress.save_progress(snapshot_for(run.id, held.owner))
+    await stores.at(scope).runs.renew_lease(run.id, held.model_copy(update={"ttl_seconds": 0.001}))
     await db.wait_lease_lapsed(run.id)
     quoted = await db.con.fetchval("SELECT quote_ident($1)", column)
     await db.con.execute(f"UPDATE progress SET {quoted} = $2::jsonb WHERE run_id = $1", run.id, bad)
     before = await db.snapshot()
 
     with pytest.raises(InvalidContinuation):
-        await stores.progress.get_progress(scope, run.id)
+        await stores.at(scope).progress.get_progress(run.id)
     with pytest.raises(InvalidContinuation):
-        await stores.runs.reclaim_lapsed(lease(), 10)
+        await stores.across_scopes.reclaim_lapsed(lease(), 10)
 
     assert await db.snapshot() == before
 
@@ -368,4 +358,4 @@ async def test_a_malformed_run_config_is_invalid_continuation(stores: Stores, db
     await db.con.execute('UPDATE runs SET config = \'{"tools": "all"}\' WHERE id = $1', run.id)
 
     with pytest.raises(InvalidContinuation):
-        await stores.runs.get_run(scope, run.id)
+        await stores.at(scope).runs.get_run(run.id)

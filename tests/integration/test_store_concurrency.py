@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -24,15 +23,15 @@ from intermission.schemas.errors import (
 from intermission.schemas.events import RunEventKind
 from intermission.schemas.run import Lease, Run
 from intermission.schemas.scope import Scope
-from intermission.schemas.suspension import ClaimVersion, PendingCall, SuspendReason, Suspension
+from intermission.schemas.suspension import ClaimVersion, PendingCall, SuspendReason
 from intermission.store import Stores
 from intermission.store.runs import Pause, Reclaimed
+from intermission.store.suspensions import ClaimedPause
 from tests.conftest import MakeStores, race
 from tests.support.factories import PausedRun, continuation, lease, paused_run, running_run
 from tests.support.inspect import (
     FAR_FUTURE,
     Inspector,
-    inspector,
     leased,
     pin,
     snapshot_for,
@@ -40,16 +39,8 @@ from tests.support.inspect import (
     winners,
 )
 
-pytestmark = pytest.mark.integration
-
 CONTENDERS = 32
 ROUNDS = 3
-
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[Inspector]:
-    async with inspector(database_url) as i:
-        yield i
 
 
 async def assert_claimed_once(
@@ -85,17 +76,16 @@ async def double_claim_leased_round(stores: Stores, sessions: list[Stores], db: 
     leases = [lease() for _ in range(CONTENDERS)]
 
     results = await race(
-        CONTENDERS, lambda i: sessions[i].suspensions.claim_suspension_leased(scope, leased(p, leases[i]))
+        CONTENDERS, lambda i: sessions[i].at(scope).suspensions.claim_suspension_leased(leased(p, leases[i]))
     )
 
     won = winners(results)
     assert len(won) == 1, results
     assert unexpected(results, (NotSuspended,)) == []
-    got: Suspension = results[won[0]]
-    assert got.id == p.suspension.id
-    assert got.claimed_run is not None
-    assert got.claimed_run.revision == p.revision + 1
-    assert got.claimed_run.lease_owner == leases[won[0]].owner
+    got: ClaimedPause = results[won[0]]
+    assert got.suspension.id == p.suspension.id
+    assert got.run.revision == p.revision + 1
+    assert got.run.lease_owner == leases[won[0]].owner
     await assert_claimed_once(db, p, owner=leases[won[0]].owner, progress_owner=leases[won[0]].owner)
 
 
@@ -112,17 +102,17 @@ async def double_claim_mixed_round(stores: Stores, sessions: list[Stores], db: I
     p = await paused_run(stores, scope)
     leases = [lease() for _ in range(CONTENDERS)]
 
-    async def claim(i: int) -> Suspension:
-        s = sessions[i].suspensions
+    async def claim(i: int) -> ClaimedPause:
+        s = sessions[i].at(scope).suspensions
         match i % 4:
             case 0:
-                return await s.claim_suspension(scope, p.run.id)
+                return await s.claim_suspension(p.run.id)
             case 1:
-                return await s.claim_suspension_version(scope, pin(p))
+                return await s.claim_suspension_version(pin(p))
             case 2:
-                return await s.claim_suspension_leased(scope, leased(p, leases[i]))
+                return await s.claim_suspension_leased(leased(p, leases[i]))
             case _:
-                return await s.claim_suspension_leased(scope, leased(p, leases[i], with_first=False))
+                return await s.claim_suspension_leased(leased(p, leases[i], with_first=False))
 
     results = await race(CONTENDERS, claim)
 
@@ -165,26 +155,25 @@ async def deadline_round(stores: Stores, sessions: list[Stores], db: Inspector, 
     assert deadline is not None
     leases = [lease() for _ in range(CONTENDERS)]
 
-    async def contend(i: int) -> Suspension:
-        s = sessions[i].suspensions
+    async def contend(i: int) -> ClaimedPause:
+        s = sessions[i].at(scope).suspensions
         match i % 4:
             case 0:  # a resume
-                return await s.claim_suspension(scope, p.run.id)
+                return await s.claim_suspension(p.run.id)
             case 1:  # a leased resume
-                return await s.claim_suspension_leased(scope, leased(p, leases[i]))
-            case 2:  # the seed's sweep claim
-                return await s.claim_expired_suspension(scope, p.run.id, FAR_FUTURE)
+                return await s.claim_suspension_leased(leased(p, leases[i]))
+            case 2:  # the original's sweep claim
+                return await s.claim_expired_suspension(p.run.id, FAR_FUTURE)
             case _:  # the leased sweep claim
-                return await s.claim_suspension_leased(scope, leased(p, leases[i], expired_by=FAR_FUTURE))
+                return await s.claim_suspension_leased(leased(p, leases[i], expired_by=FAR_FUTURE))
 
     results = await race(CONTENDERS, contend)
 
     won = winners(results)
     assert len(won) == 1, results
     w = won[0]
-    got: Suspension = results[w]
-    assert got.claimed_run is not None
-    claimed_at = got.claimed_run.updated_at
+    got: ClaimedPause = results[w]
+    claimed_at = got.run.updated_at
     assert claimed_at is not None
     resumers = [r for i, r in enumerate(results) if i % 4 < 2 and i != w]
     sweepers = [r for i, r in enumerate(results) if i % 4 >= 2 and i != w]
@@ -219,14 +208,14 @@ async def test_pinned_claims_racing_a_repause_never_claim_the_new_pause(
 async def pins_against_repause_round(stores: Stores, sessions: list[Stores], db: Inspector, scope: Scope) -> None:
     p = await paused_run(stores, scope)
     holder = lease()
-    await stores.suspensions.claim_suspension_leased(scope, leased(p, holder))
+    await stores.at(scope).suspensions.claim_suspension_leased(leased(p, holder))
     # What a claimer may have read: the old pause at its paused revision, or at the running one.
     stale = [pin(p), ClaimVersion(run_id=p.run.id, suspension_id=p.suspension.id, run_revision=p.revision + 1)]
 
     async def contend(i: int) -> Any:
         if i == CONTENDERS:
-            return await stores.runs.pause_run(scope, p.run.id, holder.owner, repause())
-        return await sessions[i].suspensions.claim_suspension_leased(scope, leased(p, version=stale[i % 2]))
+            return await stores.at(scope).runs.pause_run(p.run.id, holder.owner, repause())
+        return await sessions[i].at(scope).suspensions.claim_suspension_leased(leased(p, version=stale[i % 2]))
 
     results = await race(CONTENDERS + 1, contend)
 
@@ -258,15 +247,15 @@ NEW_PINS = 8
 async def old_and_new_pins_round(stores: Stores, sessions: list[Stores], db: Inspector, scope: Scope) -> None:
     p = await paused_run(stores, scope)
     holder = lease()
-    await stores.suspensions.claim_suspension_leased(scope, leased(p, holder))
-    again = await stores.runs.pause_run(scope, p.run.id, holder.owner, repause())
+    await stores.at(scope).suspensions.claim_suspension_leased(leased(p, holder))
+    again = await stores.at(scope).runs.pause_run(p.run.id, holder.owner, repause())
     new = again.suspension
     new_version = ClaimVersion(run_id=p.run.id, suspension_id=new.id, run_revision=again.notice.run_revision)
     leases = [lease() for _ in range(CONTENDERS + NEW_PINS)]
 
-    async def contend(i: int) -> Suspension:
+    async def contend(i: int) -> ClaimedPause:
         version = pin(p) if i < CONTENDERS else new_version
-        return await sessions[i].suspensions.claim_suspension_leased(scope, leased(p, leases[i], version=version))
+        return await sessions[i].at(scope).suspensions.claim_suspension_leased(leased(p, leases[i], version=version))
 
     results = await race(CONTENDERS + NEW_PINS, contend)
 
@@ -275,9 +264,9 @@ async def old_and_new_pins_round(stores: Stores, sessions: list[Stores], db: Ins
     assert won[0] >= CONTENDERS, "a claim pinned to the old pause claimed the new one"
     assert unexpected(results[:CONTENDERS], (RunConflict, NotSuspended)) == []
     assert unexpected(results[CONTENDERS:], (NotSuspended,)) == []
-    got: Suspension = results[won[0]]
-    assert got.id == new.id
-    assert got.reason is SuspendReason.APPROVAL
+    got: ClaimedPause = results[won[0]]
+    assert got.suspension.id == new.id
+    assert got.suspension.reason is SuspendReason.APPROVAL
     run = await db.run(p.run.id)
     winner = leases[won[0]].owner
     assert (run["state"], run["revision"], run["lease_owner"]) == ("running", new_version.run_revision + 1, winner)
@@ -301,10 +290,12 @@ async def test_unpinned_claim_waiting_behind_a_claim_and_repause_does_not_take_t
     await holder.start()
     try:
         await db.con.execute("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE", p.run.id)
-        waiting = asyncio.create_task(stores.suspensions.claim_suspension(scope, p.run.id))
+        waiting = asyncio.create_task(stores.at(scope).suspensions.claim_suspension(p.run.id))
+        # The claim statement (store/queries/suspensions.sql, claim_pause) waiting on the row lock; matched by
+        # its opening words, since pg_stat_activity keeps only the first track_activity_query_size bytes.
         await db.wait_until(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
-            " AND wait_event_type = 'Lock' AND query LIKE '%claimed AS%')"
+            " AND wait_event_type = 'Lock' AND query LIKE 'SELECT c.outcome,%')"
         )
         # Another claimer wins, and its run pauses again before the waiter gets the row.
         await db.con.execute("UPDATE runs SET state = 'running', revision = revision + 1 WHERE id = $1", p.run.id)
@@ -345,18 +336,20 @@ async def test_workers_reclaiming_one_lapsed_lease_exactly_one_takes_it_and_the_
 
 async def reclaim_round(stores: Stores, sessions: list[Stores], db: Inspector, scope: Scope) -> None:
     run, old = await running_run(stores, scope)
-    await stores.progress.save_progress(scope, snapshot_for(run.id, old.owner))
+    await stores.at(scope).progress.save_progress(snapshot_for(run.id, old.owner))
     # Shorten the live lease to a millisecond, then wait for the DATABASE clock to pass it.
-    await stores.runs.renew_lease(scope, run.id, old.model_copy(update={"ttl_seconds": 0.001}))
+    await stores.at(scope).runs.renew_lease(run.id, old.model_copy(update={"ttl_seconds": 0.001}))
     await db.wait_lease_lapsed(run.id)
     leases = [lease() for _ in range(CONTENDERS)]
 
     async def take(i: int) -> Run | list[Reclaimed]:
         if i % 2 == 0:
-            return await sessions[i].runs.claim_continuation_leased(
-                scope, run.id, leases[i], snapshot_for(run.id, leases[i].owner, step=3)
+            return (
+                await sessions[i]
+                .at(scope)
+                .runs.claim_continuation_leased(run.id, leases[i], snapshot_for(run.id, leases[i].owner, step=3))
             )
-        return await sessions[i].runs.reclaim_lapsed(leases[i], 8)
+        return await sessions[i].across_scopes.reclaim_lapsed(leases[i], 8)
 
     results = await race(CONTENDERS, take)
 
@@ -375,12 +368,12 @@ async def reclaim_round(stores: Stores, sessions: list[Stores], db: Inspector, s
     losers = [leases[i].owner for i in range(CONTENDERS) if i != takers[0]]
     for who in (old.owner, *losers[:3]):
         with pytest.raises(RunLeaseLost):
-            await stores.progress.save_progress(scope, snapshot_for(run.id, who, step=7))
+            await stores.at(scope).progress.save_progress(snapshot_for(run.id, who, step=7))
         with pytest.raises(RunLeaseLost):
-            await stores.runs.renew_lease(scope, run.id, Lease(owner=who, ttl_seconds=30))
+            await stores.at(scope).runs.renew_lease(run.id, Lease(owner=who, ttl_seconds=30))
         with pytest.raises(RunLeaseLost):
-            await stores.runs.pause_run(scope, run.id, who, repause())
+            await stores.at(scope).runs.pause_run(run.id, who, repause())
         with pytest.raises(RunLeaseLost):
-            await stores.runs.end_run(scope, run.id, who, RunEventKind.COMPLETED, output="mine")
-        assert await stores.runs.release_lease(scope, run.id, who) is False
+            await stores.at(scope).runs.end_run(run.id, who, RunEventKind.COMPLETED, output="mine")
+        assert await stores.at(scope).runs.release_lease(run.id, who) is False
     assert await db.snapshot() == before

@@ -1,13 +1,12 @@
-"""REFERENCE.md section 7, the scenarios the store owns: 1-8, 11-13, 38-46 and the store side of 23-27.
+"""docs/scenarios.md, the scenarios the store owns: 1-8, 11-13, 38-46 and the store side of 23-27.
 
-One test per scenario, named after it. Scope is EXACT (DESIGN.md wins over the original's prefix match), so
+One test per scenario, named after it. Scope is EXACT (unlike the original's prefix match), so
 scenario 6 is carried over as "a claim from another scope finds nothing and changes nothing", and
 scenario 7's ErrNoScope is InvalidScope.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -41,13 +40,13 @@ from intermission.schemas.suspension import (
 )
 from intermission.store import Stores
 from intermission.store.runs import Pause
+from intermission.store.suspensions import ClaimedPause
 from tests.conftest import MakeStores, race
 from tests.support.factories import PausedRun, continuation, lease, paused_run, running_run
 from tests.support.inspect import (
     FAR_FUTURE,
     Inspector,
     closed_stores,
-    inspector,
     leased,
     pin,
     snapshot_for,
@@ -55,16 +54,8 @@ from tests.support.inspect import (
     winners,
 )
 
-pytestmark = pytest.mark.integration
-
 TINY_TTL = 0.001  # a deadline or lease a millisecond ahead of the database clock: lapsed almost at once
 HOUR = 3600.0
-
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[Inspector]:
-    async with inspector(database_url) as i:
-        yield i
 
 
 async def expired_pause(stores: Stores, db: Inspector, scope: Scope) -> PausedRun:
@@ -82,14 +73,14 @@ async def test_scenario_01_concurrent_double_claim_wins_once(
 ) -> None:
     p = await paused_run(stores, scope)
     a, b = await make_stores(2)
-    results = await race(2, lambda i: (a, b)[i].suspensions.claim_suspension(scope, p.run.id))
+    results = await race(2, lambda i: (a, b)[i].at(scope).suspensions.claim_suspension(p.run.id))
 
     won = winners(results)
     assert len(won) == 1
     got = results[won[0]]
-    assert isinstance(got, Suspension)
-    assert got.id == p.suspension.id
-    assert got.continuation == p.suspension.continuation
+    assert isinstance(got, ClaimedPause)
+    assert got.suspension.id == p.suspension.id
+    assert got.suspension.continuation == p.suspension.continuation
     assert isinstance(results[1 - won[0]], NotSuspended)
     run = await db.run(p.run.id)
     assert run["state"] == "running"
@@ -100,14 +91,14 @@ async def test_scenario_02_second_claim_after_win_is_not_suspended_and_row_kept(
     stores: Stores, db: Inspector, scope: Scope
 ) -> None:
     p = await paused_run(stores, scope)
-    await stores.suspensions.claim_suspension(scope, p.run.id)
+    await stores.at(scope).suspensions.claim_suspension(p.run.id)
     before = await db.snapshot()
 
     with pytest.raises(NotSuspended):
-        await stores.suspensions.claim_suspension(scope, p.run.id)
+        await stores.at(scope).suspensions.claim_suspension(p.run.id)
 
     assert await db.snapshot() == before
-    kept = await stores.suspensions.get_suspension(scope, p.run.id)
+    kept = await stores.at(scope).suspensions.get_suspension(p.run.id)
     assert kept.id == p.suspension.id
 
 
@@ -116,29 +107,29 @@ async def test_scenario_03_expired_refuses_and_leaves_run_paused(stores: Stores,
     before = await db.snapshot()
 
     with pytest.raises(SuspensionExpired):
-        await stores.suspensions.claim_suspension(scope, p.run.id)
+        await stores.at(scope).suspensions.claim_suspension(p.run.id)
     with pytest.raises(SuspensionExpired):
-        await stores.suspensions.claim_suspension_version(scope, pin(p))
+        await stores.at(scope).suspensions.claim_suspension_version(pin(p))
     with pytest.raises(SuspensionExpired):
-        await stores.suspensions.claim_suspension_leased(scope, leased(p))
+        await stores.at(scope).suspensions.claim_suspension_leased(leased(p))
 
     assert await db.snapshot() == before
     run = await db.run(p.run.id)
     assert (run["state"], run["revision"], run["lease_owner"]) == ("paused", p.revision, None)
-    assert (await stores.suspensions.get_suspension(scope, p.run.id)).id == p.suspension.id
+    assert (await stores.at(scope).suspensions.get_suspension(p.run.id)).id == p.suspension.id
 
 
 async def test_scenario_04_deadline_still_ahead_claims_normally(stores: Stores, db: Inspector, scope: Scope) -> None:
     p = await paused_run(stores, scope, ttl_seconds=HOUR)
     assert p.suspension.expires_at is not None
 
-    got = await stores.suspensions.claim_suspension(scope, p.run.id)
+    got = await stores.at(scope).suspensions.claim_suspension(p.run.id)
 
-    assert got.id == p.suspension.id
-    assert got.expires_at == p.suspension.expires_at
-    assert got.claimed_run is not None
-    assert got.claimed_run.state is RunState.RUNNING
-    assert got.claimed_run.revision == p.revision + 1
+    assert got.suspension.id == p.suspension.id
+    assert got.suspension.expires_at == p.suspension.expires_at
+    assert got.run is not None
+    assert got.run.state is RunState.RUNNING
+    assert got.run.revision == p.revision + 1
     assert (await db.run(p.run.id))["state"] == "running"
 
 
@@ -146,17 +137,17 @@ async def test_scenario_05_no_suspension_is_not_suspended_and_run_unchanged(
     stores: Stores, db: Inspector, scope: Scope
 ) -> None:
     p = await paused_run(stores, scope)
-    await stores.suspensions.delete_suspension(scope, p.run.id)
+    await stores.at(scope).suspensions.delete_suspension(p.run.id)
     before = await db.snapshot()
 
     with pytest.raises(NotSuspended):
-        await stores.suspensions.claim_suspension(scope, p.run.id)
+        await stores.at(scope).suspensions.claim_suspension(p.run.id)
     with pytest.raises(NotSuspended):
-        await stores.suspensions.claim_suspension_leased(scope, leased(p))
+        await stores.at(scope).suspensions.claim_suspension_leased(leased(p))
     with pytest.raises(NotSuspended):
-        await stores.suspensions.claim_expired_suspension(scope, p.run.id, FAR_FUTURE)
+        await stores.at(scope).suspensions.claim_expired_suspension(p.run.id, FAR_FUTURE)
     with pytest.raises(NotSuspended):
-        await stores.suspensions.get_suspension(scope, p.run.id)
+        await stores.at(scope).suspensions.get_suspension(p.run.id)
 
     assert await db.snapshot() == before
     assert (await db.run(p.run.id))["state"] == "paused"
@@ -173,29 +164,29 @@ async def test_scenario_06_scope_is_exact_a_claim_from_another_scope_finds_nothi
 
     for foreign in (other_scope, Scope(app="other-app", tenant=scope.tenant)):
         with pytest.raises(NotSuspended):
-            await stores.suspensions.claim_suspension(foreign, live.run.id)
+            await stores.at(foreign).suspensions.claim_suspension(live.run.id)
         with pytest.raises(NotSuspended):
-            await stores.suspensions.claim_suspension_version(foreign, pin(live))
+            await stores.at(foreign).suspensions.claim_suspension_version(pin(live))
         with pytest.raises(NotSuspended):
-            await stores.suspensions.claim_suspension_leased(foreign, leased(live))
+            await stores.at(foreign).suspensions.claim_suspension_leased(leased(live))
         with pytest.raises(NotSuspended):
-            await stores.suspensions.claim_expired_suspension(foreign, p.run.id, FAR_FUTURE)
+            await stores.at(foreign).suspensions.claim_expired_suspension(p.run.id, FAR_FUTURE)
         with pytest.raises(NotSuspended):
-            await stores.suspensions.claim_suspension_leased(foreign, leased(p, expired_by=FAR_FUTURE))
+            await stores.at(foreign).suspensions.claim_suspension_leased(leased(p, expired_by=FAR_FUTURE))
         with pytest.raises(NotSuspended):
-            await stores.suspensions.get_suspension(foreign, live.run.id)
+            await stores.at(foreign).suspensions.get_suspension(live.run.id)
         with pytest.raises(NotSuspended):
-            await stores.suspensions.delete_suspension(foreign, live.run.id)
+            await stores.at(foreign).suspensions.delete_suspension(live.run.id)
         with pytest.raises(RunNotFound):
-            await stores.runs.get_run(foreign, live.run.id)
-        assert await stores.suspensions.list_expired(foreign, FAR_FUTURE, None) == []
+            await stores.at(foreign).runs.get_run(live.run.id)
+        assert await stores.at(foreign).suspensions.list_expired(FAR_FUTURE, None) == []
 
     assert await db.snapshot() == before
     # At its own scope the same claim works, and every row keeps the scope it was created under.
-    got = await stores.suspensions.claim_suspension_leased(scope, leased(live))
-    assert got.scope == scope
-    assert got.claimed_run is not None
-    assert got.claimed_run.scope == scope
+    got = await stores.at(scope).suspensions.claim_suspension_leased(leased(live))
+    assert got.suspension.scope == scope
+    assert got.run is not None
+    assert got.run.scope == scope
     for row in (await db.run(live.run.id), await db.suspension(live.run.id), await db.progress(live.run.id)):
         assert row is not None
         assert (row["app"], row["tenant"]) == (scope.app, scope.tenant)
@@ -206,7 +197,7 @@ async def test_scenario_07_zero_scope_is_rejected_before_any_database_access(dat
     version = ClaimVersion(run_id="run-1", suspension_id=1, run_revision=1)
     # The control: with a valid scope the closed pool IS reached, and says so.
     with pytest.raises(StoreUnavailable):
-        await dead.suspensions.claim_suspension(scope, "run-1")
+        await dead.at(scope).suspensions.claim_suspension("run-1")
 
     zero_scopes: list[Any] = [
         None,
@@ -217,13 +208,13 @@ async def test_scenario_07_zero_scope_is_rejected_before_any_database_access(dat
     ]
     for zero in zero_scopes:
         with pytest.raises(InvalidScope):
-            await dead.suspensions.claim_suspension(zero, "run-1")
+            await dead.at(zero).suspensions.claim_suspension("run-1")
         with pytest.raises(InvalidScope):
-            await dead.suspensions.claim_suspension_version(zero, version)
+            await dead.at(zero).suspensions.claim_suspension_version(version)
         with pytest.raises(InvalidScope):
-            await dead.suspensions.claim_expired_suspension(zero, "run-1", FAR_FUTURE)
+            await dead.at(zero).suspensions.claim_expired_suspension("run-1", FAR_FUTURE)
         with pytest.raises(InvalidScope):
-            await dead.suspensions.claim_suspension_leased(zero, LeasedClaim(version=version, lease=lease()))
+            await dead.at(zero).suspensions.claim_suspension_leased(LeasedClaim(version=version, lease=lease()))
 
 
 async def test_scenario_08_round_trip_keeps_arguments_new_messages_from_session_step_and_tokens(
@@ -233,14 +224,14 @@ async def test_scenario_08_round_trip_keeps_arguments_new_messages_from_session_
     cont = continuation(step=3, tokens_used=1234, new_messages_from=1, session_id="session-xyz")
     p = await paused_run(stores, scope, pending=[call])
     # paused_run pauses with the factory continuation; pause again with ours to check these exact values.
-    await stores.suspensions.claim_suspension_leased(scope, leased(p, holder := lease()))
-    paused = await stores.runs.pause_run(
-        scope, p.run.id, holder.owner, Pause(reason=SuspendReason.EXTERNAL_TOOL, pending=[call], continuation=cont)
+    await stores.at(scope).suspensions.claim_suspension_leased(leased(p, holder := lease()))
+    paused = await stores.at(scope).runs.pause_run(
+        p.run.id, holder.owner, Pause(reason=SuspendReason.EXTERNAL_TOOL, pending=[call], continuation=cont)
     )
 
     for got in (
-        await stores.suspensions.get_suspension(scope, p.run.id),
-        await stores.suspensions.claim_suspension(scope, p.run.id),
+        await stores.at(scope).suspensions.get_suspension(p.run.id),
+        (await stores.at(scope).suspensions.claim_suspension(p.run.id)).suspension,
     ):
         assert got.id == paused.suspension.id
         assert got.pending == [call]
@@ -260,11 +251,11 @@ async def test_scenario_08_round_trip_keeps_arguments_new_messages_from_session_
 async def test_scenario_11_second_resume_loses_the_race(stores: Stores, db: Inspector, scope: Scope) -> None:
     p = await paused_run(stores, scope)
     first = lease()
-    await stores.suspensions.claim_suspension_leased(scope, leased(p, first))
+    await stores.at(scope).suspensions.claim_suspension_leased(leased(p, first))
     before = await db.snapshot()
 
     with pytest.raises(NotSuspended):
-        await stores.suspensions.claim_suspension_leased(scope, leased(p))
+        await stores.at(scope).suspensions.claim_suspension_leased(leased(p))
 
     assert await db.snapshot() == before
     run = await db.run(p.run.id)
@@ -279,7 +270,7 @@ async def test_scenario_12_expired_suspension_is_reported_and_nothing_is_written
     outbox_before = await db.count("outbox", p.run.id)
 
     with pytest.raises(SuspensionExpired):
-        await stores.suspensions.claim_suspension_leased(scope, leased(p))
+        await stores.at(scope).suspensions.claim_suspension_leased(leased(p))
 
     # No run update (not even updated_at), no deletion, no progress, no event.
     assert await db.snapshot() == before
@@ -292,39 +283,38 @@ async def test_scenario_13_every_write_uses_the_runs_stored_scope(
 ) -> None:
     p = await paused_run(stores, scope)
     holder = lease()
-    await stores.suspensions.claim_suspension_leased(scope, leased(p, holder))
+    await stores.at(scope).suspensions.claim_suspension_leased(leased(p, holder))
     before = await db.snapshot()
 
     # The lease owner itself, calling with any scope but the stored one, can write nothing.
     for foreign in (other_scope, Scope(app="other-app", tenant=scope.tenant)):
         with pytest.raises(RunLeaseLost):
-            await stores.progress.save_progress(foreign, snapshot_for(p.run.id, holder.owner))
+            await stores.at(foreign).progress.save_progress(snapshot_for(p.run.id, holder.owner))
         with pytest.raises(RunLeaseLost):
-            await stores.runs.renew_lease(foreign, p.run.id, holder)
+            await stores.at(foreign).runs.renew_lease(p.run.id, holder)
         with pytest.raises(RunLeaseLost):
-            await stores.runs.pause_run(
-                foreign,
+            await stores.at(foreign).runs.pause_run(
                 p.run.id,
                 holder.owner,
                 Pause(SuspendReason.EXTERNAL_TOOL, [PendingCall(id="c2", name="lookup")], continuation()),
             )
         with pytest.raises(RunLeaseLost):
-            await stores.runs.end_run(foreign, p.run.id, holder.owner, RunEventKind.COMPLETED, output="x")
-        assert await stores.runs.release_lease(foreign, p.run.id, holder.owner) is False
+            await stores.at(foreign).runs.end_run(p.run.id, holder.owner, RunEventKind.COMPLETED, output="x")
+        assert await stores.at(foreign).runs.release_lease(p.run.id, holder.owner) is False
         with pytest.raises(RunNotFound):
-            await stores.runs.claim_continuation_leased(foreign, p.run.id, lease())
+            await stores.at(foreign).runs.claim_continuation_leased(p.run.id, lease())
         with pytest.raises(ProgressNotFound):
-            await stores.progress.get_progress(foreign, p.run.id)
-        await stores.progress.delete_progress(foreign, p.run.id)  # nothing there at that scope: a no-op
+            await stores.at(foreign).progress.get_progress(p.run.id)
+        await stores.at(foreign).progress.delete_progress(p.run.id)  # nothing there at that scope: a no-op
     assert await db.snapshot() == before
 
     # At the stored scope the same writes land, every row under that scope.
-    saved = await stores.progress.save_progress(
-        scope, snapshot_for(p.run.id, holder.owner).model_copy(update={"scope": other_scope})
+    saved = await stores.at(scope).progress.save_progress(
+        snapshot_for(p.run.id, holder.owner).model_copy(update={"scope": other_scope})
     )
     assert saved.scope == scope
-    await stores.runs.renew_lease(scope, p.run.id, holder)
-    await stores.runs.end_run(scope, p.run.id, holder.owner, RunEventKind.COMPLETED, output="done")
+    await stores.at(scope).runs.renew_lease(p.run.id, holder)
+    await stores.at(scope).runs.end_run(p.run.id, holder.owner, RunEventKind.COMPLETED, output="done")
     scoped = await db.con.fetch(
         "SELECT 'runs' AS t, app, tenant FROM runs WHERE id = $1"
         " UNION ALL SELECT 'outbox', app, tenant FROM outbox WHERE run_id = $1"
@@ -338,16 +328,15 @@ async def test_scenario_13_every_write_uses_the_runs_stored_scope(
 # --- the store side of 23-27 (the expiry sweeper's primitives) ------------------------------------------
 
 
-async def sweep_claim(stores: Stores, s: Suspension, sweeper: Lease) -> Suspension:
+async def sweep_claim(stores: Stores, s: Suspension, sweeper: Lease) -> ClaimedPause:
     """What the sweeper does with one listed row: rebind to the ROW's scope and claim it as expired."""
-    return await stores.suspensions.claim_suspension_leased(
-        s.scope,
+    return await stores.at(s.scope).suspensions.claim_suspension_leased(
         LeasedClaim(
             # A read, then a claim PINNED to what was read: a change in between makes the claim fail.
             version=ClaimVersion(
                 run_id=s.run_id,
                 suspension_id=s.id,
-                run_revision=(await stores.runs.get_run(s.scope, s.run_id)).revision,
+                run_revision=(await stores.at(s.scope).runs.get_run(s.run_id)).revision,
             ),
             expired_by=FAR_FUTURE,
             lease=sweeper,
@@ -365,20 +354,22 @@ async def test_scenario_23_sweep_fails_only_the_past_deadline_run(stores: Stores
     expired = await expired_pause(stores, db, scope)
     waiting = await paused_run(stores, scope, ttl_seconds=HOUR)
 
-    listed = await stores.suspensions.list_expired_across_scopes(FAR_FUTURE, None)
+    listed = await stores.across_scopes.list_expired_across_scopes(FAR_FUTURE, None)
     assert [s.run_id for s in listed] == [expired.run.id]
-    assert await stores.suspensions.list_expired(scope, FAR_FUTURE, 10) == listed
+    assert await stores.at(scope).suspensions.list_expired(FAR_FUTURE, 10) == listed
 
     sweeper = lease()
     claimed = await sweep_claim(stores, listed[0], sweeper)
-    assert claimed.id == expired.suspension.id
+    assert claimed.suspension.id == expired.suspension.id
     with pytest.raises(NotSuspended):
-        await stores.suspensions.claim_expired_suspension(scope, waiting.run.id, FAR_FUTURE)
+        await stores.at(scope).suspensions.claim_expired_suspension(waiting.run.id, FAR_FUTURE)
     with pytest.raises(NotSuspended):
-        await stores.suspensions.claim_suspension_leased(scope, leased(waiting, expired_by=FAR_FUTURE))
-    await stores.runs.end_run(scope, expired.run.id, sweeper.owner, RunEventKind.EXPIRED, error=SuspensionExpired.code)
+        await stores.at(scope).suspensions.claim_suspension_leased(leased(waiting, expired_by=FAR_FUTURE))
+    await stores.at(scope).runs.end_run(
+        expired.run.id, sweeper.owner, RunEventKind.EXPIRED, error=SuspensionExpired.code
+    )
 
-    failed = await stores.runs.get_run(scope, expired.run.id)
+    failed = await stores.at(scope).runs.get_run(expired.run.id)
     assert failed.state is RunState.FAILED
     assert failed.error is not None
     assert SuspensionExpired.code in failed.error
@@ -394,20 +385,22 @@ async def test_scenario_24_works_under_each_suspensions_own_scope(
     mine = await expired_pause(stores, db, scope)
     theirs = await expired_pause(stores, db, other_scope)
 
-    listed = await stores.suspensions.list_expired_across_scopes(FAR_FUTURE, 0)
+    listed = await stores.across_scopes.list_expired_across_scopes(FAR_FUTURE, 0)
     assert {(s.run_id, s.scope) for s in listed} == {(mine.run.id, scope), (theirs.run.id, other_scope)}
-    assert [s.run_id for s in await stores.suspensions.list_expired(scope, FAR_FUTURE, None)] == [mine.run.id]
-    assert [s.run_id for s in await stores.suspensions.list_expired(other_scope, FAR_FUTURE, None)] == [theirs.run.id]
+    assert [s.run_id for s in await stores.at(scope).suspensions.list_expired(FAR_FUTURE, None)] == [mine.run.id]
+    assert [s.run_id for s in await stores.at(other_scope).suspensions.list_expired(FAR_FUTURE, None)] == [
+        theirs.run.id
+    ]
     # The list crosses scopes; a claim never does.
     with pytest.raises(NotSuspended):
-        await stores.suspensions.claim_expired_suspension(scope, theirs.run.id, FAR_FUTURE)
+        await stores.at(scope).suspensions.claim_expired_suspension(theirs.run.id, FAR_FUTURE)
     with pytest.raises(NotSuspended):
-        await stores.suspensions.claim_expired_suspension(other_scope, mine.run.id, FAR_FUTURE)
+        await stores.at(other_scope).suspensions.claim_expired_suspension(mine.run.id, FAR_FUTURE)
 
     for s in listed:
         sweeper = lease()
         await sweep_claim(stores, s, sweeper)
-        await stores.runs.end_run(s.scope, s.run_id, sweeper.owner, RunEventKind.EXPIRED, error="expired")
+        await stores.at(s.scope).runs.end_run(s.run_id, sweeper.owner, RunEventKind.EXPIRED, error="expired")
     for p, own in ((mine, scope), (theirs, other_scope)):
         run = await db.run(p.run.id)
         assert (run["state"], run["app"], run["tenant"]) == ("failed", own.app, own.tenant)
@@ -424,7 +417,7 @@ async def test_scenario_25_skips_a_run_a_resume_already_claimed(stores: Stores, 
     for _ in range(6):
         p = await paused_run(stores, scope, ttl_seconds=ttl)
         try:
-            await stores.suspensions.claim_suspension_leased(scope, leased(p, resumer))
+            await stores.at(scope).suspensions.claim_suspension_leased(leased(p, resumer))
             break
         except SuspensionExpired:
             ttl *= 4
@@ -433,10 +426,10 @@ async def test_scenario_25_skips_a_run_a_resume_already_claimed(stores: Stores, 
     await db.wait_pause_expired(p.run.id)
     before = await db.snapshot()
 
-    listed = await stores.suspensions.list_expired_across_scopes(FAR_FUTURE, None)
+    listed = await stores.across_scopes.list_expired_across_scopes(FAR_FUTURE, None)
     row = next(s for s in listed if s.run_id == p.run.id)
     with pytest.raises(NotSuspended):
-        await stores.suspensions.claim_expired_suspension(row.scope, row.run_id, FAR_FUTURE)
+        await stores.at(row.scope).suspensions.claim_expired_suspension(row.run_id, FAR_FUTURE)
     with pytest.raises(NotSuspended):
         await sweep_claim(stores, row, lease())
 
@@ -453,27 +446,27 @@ async def test_scenario_26_clears_a_row_left_on_a_terminal_run_and_keeps_one_on_
     terminal: dict[str, RunState] = {}
     for kind in (RunEventKind.COMPLETED, RunEventKind.FAILED, RunEventKind.CANCELLED):
         run, held = await running_run(stores, scope)
-        await stores.runs.end_run(scope, run.id, held.owner, kind, output="o", error="e")
+        await stores.at(scope).runs.end_run(run.id, held.owner, kind, output="o", error="e")
         # A row left behind on a run that already ended (the original's crash window).
-        await stores.suspensions.create_suspension(
-            scope, Suspension(run_id=run.id, scope=scope, reason=SuspendReason.EXTERNAL_TOOL, expires_at=past)
+        await stores.at(scope).suspensions.create_suspension(
+            Suspension(run_id=run.id, scope=scope, reason=SuspendReason.EXTERNAL_TOOL, expires_at=past)
         )
-        terminal[run.id] = (await stores.runs.get_run(scope, run.id)).state
+        terminal[run.id] = (await stores.at(scope).runs.get_run(run.id)).state
     running = await paused_run(stores, scope, ttl_seconds=HOUR)
-    await stores.suspensions.claim_suspension_leased(scope, leased(running))
-    await stores.suspensions.delete_suspension(scope, running.run.id)
-    await stores.suspensions.create_suspension(
-        scope, Suspension(run_id=running.run.id, scope=scope, reason=SuspendReason.EXTERNAL_TOOL, expires_at=past)
+    await stores.at(scope).suspensions.claim_suspension_leased(leased(running))
+    await stores.at(scope).suspensions.delete_suspension(running.run.id)
+    await stores.at(scope).suspensions.create_suspension(
+        Suspension(run_id=running.run.id, scope=scope, reason=SuspendReason.EXTERNAL_TOOL, expires_at=past)
     )
     assert set(terminal.values()) == {RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED}
 
     # The sweeper's primitives: list across scopes, then per row at the row's scope.
-    for s in await stores.suspensions.list_expired_across_scopes(FAR_FUTURE, None):
+    for s in await stores.across_scopes.list_expired_across_scopes(FAR_FUTURE, None):
         with pytest.raises(NotSuspended):  # nothing to claim on a run that is not paused
-            await stores.suspensions.claim_expired_suspension(s.scope, s.run_id, FAR_FUTURE)
-        state = (await stores.runs.get_run(s.scope, s.run_id)).state
+            await stores.at(s.scope).suspensions.claim_expired_suspension(s.run_id, FAR_FUTURE)
+        state = (await stores.at(s.scope).runs.get_run(s.run_id)).state
         if state.is_terminal:
-            await stores.suspensions.delete_suspension(s.scope, s.run_id)
+            await stores.at(s.scope).suspensions.delete_suspension(s.run_id)
 
     for run_id, state in terminal.items():
         assert await db.suspension(run_id) is None
@@ -487,21 +480,21 @@ async def test_scenario_27_a_failing_write_is_reported_and_the_row_is_kept(
 ) -> None:
     p = await expired_pause(stores, db, scope)
     sweeper = lease()
-    await sweep_claim(stores, (await stores.suspensions.list_expired(scope, FAR_FUTURE, None))[0], sweeper)
+    await sweep_claim(stores, (await stores.at(scope).suspensions.list_expired(FAR_FUTURE, None))[0], sweeper)
     before = await db.snapshot()
     # The failure write dies at its LAST statement (the outbox row), after its run update, deletes and
     # metadata event already ran in the same transaction.
     await db.fail_inserts_into("outbox")
 
     with pytest.raises(IntermissionError) as failure:
-        await stores.runs.end_run(scope, p.run.id, sweeper.owner, RunEventKind.EXPIRED, error="expired")
+        await stores.at(scope).runs.end_run(p.run.id, sweeper.owner, RunEventKind.EXPIRED, error="expired")
 
     assert not isinstance(failure.value, TransientError)
     assert await db.snapshot() == before
     run = await db.run(p.run.id)
     assert (run["state"], run["lease_owner"]) == ("running", sweeper.owner)
     assert await db.suspension(p.run.id) is not None
-    assert (await stores.progress.get_progress(scope, p.run.id)).ending == Ending(
+    assert (await stores.at(scope).progress.get_progress(p.run.id)).ending == Ending(
         kind=EndingKind.EXPIRE, reason="suspension_expired"
     )
 
@@ -514,9 +507,9 @@ async def test_scenario_38_version_claim_after_a_repause_is_refused(
 ) -> None:
     p = await paused_run(stores, scope)
     holder = lease()
-    await stores.suspensions.claim_suspension_leased(scope, leased(p, holder))
-    again = await stores.runs.pause_run(
-        scope, p.run.id, holder.owner, Pause(SuspendReason.APPROVAL, [PendingCall(id="c9", name="pay")], continuation())
+    await stores.at(scope).suspensions.claim_suspension_leased(leased(p, holder))
+    again = await stores.at(scope).runs.pause_run(
+        p.run.id, holder.owner, Pause(SuspendReason.APPROVAL, [PendingCall(id="c9", name="pay")], continuation())
     )
     assert again.notice.run_revision == p.revision + 2
     assert again.suspension.id != p.suspension.id
@@ -529,9 +522,9 @@ async def test_scenario_38_version_claim_after_a_repause_is_refused(
     ]
     for stale in stale_pins:
         with pytest.raises(RunConflict):
-            await stores.suspensions.claim_suspension_version(scope, stale)
+            await stores.at(scope).suspensions.claim_suspension_version(stale)
         with pytest.raises(RunConflict):
-            await stores.suspensions.claim_suspension_leased(scope, leased(p, version=stale))
+            await stores.at(scope).suspensions.claim_suspension_leased(leased(p, version=stale))
 
     assert await db.snapshot() == before
     run = await db.run(p.run.id)
@@ -552,17 +545,19 @@ async def test_scenario_39_half_lease_or_foreign_first_owner_is_lease_lost(
     half_leases = [Lease(owner="worker-a"), Lease(ttl_seconds=30), Lease(), Lease(owner="worker-a", ttl_seconds=-1)]
     for half in half_leases:
         with pytest.raises(RunLeaseLost):
-            await stores.suspensions.claim_suspension_leased(scope, LeasedClaim(version=pin(p), lease=half))
+            await stores.at(scope).suspensions.claim_suspension_leased(LeasedClaim(version=pin(p), lease=half))
         with pytest.raises(RunLeaseLost):
-            await stores.runs.claim_continuation_leased(scope, running.id, half)
+            await stores.at(scope).runs.claim_continuation_leased(running.id, half)
     whole = lease()
     foreign_first = snapshot_for(p.run.id, "somebody-else")
     with pytest.raises(RunLeaseLost):
-        await stores.suspensions.claim_suspension_leased(
-            scope, LeasedClaim(version=pin(p), lease=whole, first=foreign_first)
+        await stores.at(scope).suspensions.claim_suspension_leased(
+            LeasedClaim(version=pin(p), lease=whole, first=foreign_first)
         )
     with pytest.raises(RunLeaseLost):
-        await stores.runs.claim_continuation_leased(scope, running.id, whole, snapshot_for(running.id, "somebody-else"))
+        await stores.at(scope).runs.claim_continuation_leased(
+            running.id, whole, snapshot_for(running.id, "somebody-else")
+        )
 
     assert await db.snapshot() == before
     assert (await db.run(p.run.id))["state"] == "paused"
@@ -575,21 +570,21 @@ async def test_scenario_40_save_progress_after_takeover_or_with_empty_owner_is_l
     run, old = await running_run(stores, scope, holder=lease(ttl=TINY_TTL))
     await db.wait_lease_lapsed(run.id)
     new = lease()
-    await stores.runs.claim_continuation_leased(scope, run.id, new, snapshot_for(run.id, new.owner))
+    await stores.at(scope).runs.claim_continuation_leased(run.id, new, snapshot_for(run.id, new.owner))
     # A run that is running with NO lease at all (an unleased version claim) is no help to an empty owner.
     bare = await paused_run(stores, scope)
-    await stores.suspensions.claim_suspension_version(scope, pin(bare))
+    await stores.at(scope).suspensions.claim_suspension_version(pin(bare))
     assert (await db.run(bare.run.id))["lease_owner"] is None
     before = await db.snapshot()
 
     with pytest.raises(RunLeaseLost):
-        await stores.progress.save_progress(scope, snapshot_for(run.id, old.owner, step=9))
+        await stores.at(scope).progress.save_progress(snapshot_for(run.id, old.owner, step=9))
     for run_id in (run.id, bare.run.id):
         with pytest.raises(RunLeaseLost):
-            await stores.progress.save_progress(scope, snapshot_for(run_id, "", step=9))
+            await stores.at(scope).progress.save_progress(snapshot_for(run_id, "", step=9))
 
     assert await db.snapshot() == before
-    assert (await stores.progress.get_progress(scope, run.id)).owner == new.owner
+    assert (await stores.at(scope).progress.get_progress(run.id)).owner == new.owner
 
 
 async def test_scenario_41_saved_progress_comes_back_byte_for_byte_with_scope_and_time_set_by_the_store(
@@ -609,10 +604,10 @@ async def test_scenario_41_saved_progress_comes_back_byte_for_byte_with_scope_an
     )
     clock_before = await db.now()
 
-    saved = await stores.progress.save_progress(scope, p)
+    saved = await stores.at(scope).progress.save_progress(p)
 
     clock_after = await db.now()
-    got = await stores.progress.get_progress(scope, run.id)
+    got = await stores.at(scope).progress.get_progress(run.id)
     assert got.continuation.prepared == prepared
     assert got.scope == saved.scope == scope
     assert got.updated_at == saved.updated_at
@@ -626,20 +621,20 @@ async def test_scenario_42_progress_from_another_scope_is_not_found_and_deleting
     stores: Stores, db: Inspector, scope: Scope, other_scope: Scope
 ) -> None:
     run, held = await running_run(stores, scope)
-    await stores.progress.save_progress(scope, snapshot_for(run.id, held.owner))
+    await stores.at(scope).progress.save_progress(snapshot_for(run.id, held.owner))
 
     for foreign in (other_scope, Scope(app="other-app", tenant=scope.tenant)):
         with pytest.raises(ProgressNotFound):
-            await stores.progress.get_progress(foreign, run.id)
-        await stores.progress.delete_progress(foreign, run.id)
+            await stores.at(foreign).progress.get_progress(run.id)
+        await stores.at(foreign).progress.delete_progress(run.id)
     assert await db.progress(run.id) is not None  # a foreign delete removed nothing
 
-    await stores.progress.delete_progress(scope, run.id)
+    await stores.at(scope).progress.delete_progress(run.id)
     assert await db.progress(run.id) is None
-    await stores.progress.delete_progress(scope, run.id)  # missing: returns None, raises nothing
-    await stores.progress.delete_progress(scope, "no-such-run")
+    await stores.at(scope).progress.delete_progress(run.id)  # missing: returns None, raises nothing
+    await stores.at(scope).progress.delete_progress("no-such-run")
     with pytest.raises(ProgressNotFound):
-        await stores.progress.get_progress(scope, run.id)
+        await stores.at(scope).progress.get_progress(run.id)
 
 
 async def test_scenario_43_worker_dies_after_a_leased_claim_and_the_sweep_reclaims_reusing_done(
@@ -648,11 +643,11 @@ async def test_scenario_43_worker_dies_after_a_leased_claim_and_the_sweep_reclai
     p = await paused_run(stores, scope)
     dead = lease(ttl=TINY_TTL)
     claim = leased(p, dead)
-    await stores.suspensions.claim_suspension_leased(scope, claim)
+    await stores.at(scope).suspensions.claim_suspension_leased(claim)
     await db.wait_lease_lapsed(p.run.id)
 
     sweep = lease()
-    taken = await stores.runs.reclaim_lapsed(sweep, 10)
+    taken = await stores.across_scopes.reclaim_lapsed(sweep, 10)
 
     assert [t.run.id for t in taken] == [p.run.id]
     assert taken[0].run.lease_owner == sweep.owner
@@ -661,10 +656,10 @@ async def test_scenario_43_worker_dies_after_a_leased_claim_and_the_sweep_reclai
     assert claim.first is not None
     assert taken[0].progress.done == claim.first.done
     assert taken[0].progress.owner == sweep.owner
-    assert (await stores.progress.get_progress(scope, p.run.id)).done == claim.first.done
-    assert await stores.runs.reclaim_lapsed(lease(), 10) == []  # held again: nobody else takes it
+    assert (await stores.at(scope).progress.get_progress(p.run.id)).done == claim.first.done
+    assert await stores.across_scopes.reclaim_lapsed(lease(), 10) == []  # held again: nobody else takes it
     with pytest.raises(RunLeaseLost):
-        await stores.progress.save_progress(scope, snapshot_for(p.run.id, dead.owner))
+        await stores.at(scope).progress.save_progress(snapshot_for(p.run.id, dead.owner))
 
 
 async def test_scenario_44_a_started_call_survives_the_death_of_its_worker(
@@ -672,19 +667,19 @@ async def test_scenario_44_a_started_call_survives_the_death_of_its_worker(
 ) -> None:
     run, dead = await running_run(stores, scope)
     charge = PendingCall(id="c-charge", name="charge", arguments='{"amount": 100}')
-    await stores.progress.save_progress(
-        scope, Progress(run_id=run.id, owner=dead.owner, continuation=continuation(), started=[charge])
+    await stores.at(scope).progress.save_progress(
+        Progress(run_id=run.id, owner=dead.owner, continuation=continuation(), started=[charge])
     )
-    await stores.runs.renew_lease(scope, run.id, dead.model_copy(update={"ttl_seconds": TINY_TTL}))
+    await stores.at(scope).runs.renew_lease(run.id, dead.model_copy(update={"ttl_seconds": TINY_TTL}))
     await db.wait_lease_lapsed(run.id)
 
     heir = lease()
-    taken = await stores.runs.claim_continuation_leased(scope, run.id, heir)
+    taken = await stores.at(scope).runs.claim_continuation_leased(run.id, heir)
 
     assert taken.lease_owner == heir.owner
-    inherited = await stores.progress.get_progress(scope, run.id)
+    inherited = await stores.at(scope).progress.get_progress(run.id)
     assert inherited.started == [charge]  # the new worker knows the charge was handed over already
-    kept = await stores.progress.save_progress(scope, inherited.model_copy(update={"owner": heir.owner}))
+    kept = await stores.at(scope).progress.save_progress(inherited.model_copy(update={"owner": heir.owner}))
     assert kept.started == [charge]
 
 
@@ -693,8 +688,7 @@ async def test_scenario_45_a_reclaimed_cancel_ending_ends_the_run_cancelled(
 ) -> None:
     p = await paused_run(stores, scope)
     canceller = lease(ttl=TINY_TTL)
-    await stores.suspensions.claim_suspension_leased(
-        scope,
+    await stores.at(scope).suspensions.claim_suspension_leased(
         LeasedClaim(
             version=pin(p),
             lease=canceller,
@@ -709,10 +703,10 @@ async def test_scenario_45_a_reclaimed_cancel_ending_ends_the_run_cancelled(
     await db.wait_lease_lapsed(p.run.id)
 
     heir = lease()
-    (taken,) = await stores.runs.reclaim_lapsed(heir, 10)
+    (taken,) = await stores.across_scopes.reclaim_lapsed(heir, 10)
     assert taken.progress is not None
     assert taken.progress.ending == Ending(kind=EndingKind.CANCEL)
-    await stores.runs.end_run(scope, p.run.id, heir.owner, RunEventKind.CANCELLED)
+    await stores.at(scope).runs.end_run(p.run.id, heir.owner, RunEventKind.CANCELLED)
 
     run = await db.run(p.run.id)
     assert (run["state"], run["lease_owner"]) == ("cancelled", None)
@@ -735,22 +729,22 @@ async def test_scenario_46_expired_by_before_deadline_claims_nothing_and_normal_
     # has not reached the deadline.
     for by in (ahead.suspension.expires_at - timedelta(seconds=1), FAR_FUTURE):
         with pytest.raises(NotSuspended):
-            await stores.suspensions.claim_suspension_leased(scope, leased(ahead, expired_by=by))
+            await stores.at(scope).suspensions.claim_suspension_leased(leased(ahead, expired_by=by))
     with pytest.raises(NotSuspended):
-        await stores.suspensions.claim_suspension_leased(
-            scope, leased(expired, expired_by=expired.suspension.expires_at - timedelta(microseconds=1))
+        await stores.at(scope).suspensions.claim_suspension_leased(
+            leased(expired, expired_by=expired.suspension.expires_at - timedelta(microseconds=1))
         )
     # A normal (unexpired-only) leased claim on the expired pause.
     with pytest.raises(SuspensionExpired):
-        await stores.suspensions.claim_suspension_leased(scope, leased(expired))
+        await stores.at(scope).suspensions.claim_suspension_leased(leased(expired))
     assert await db.snapshot() == before
 
     # ExpiredBy exactly at the deadline claims it: "at or before".
-    got = await stores.suspensions.claim_suspension_leased(
-        scope, leased(expired, expired_by=expired.suspension.expires_at)
+    got = await stores.at(scope).suspensions.claim_suspension_leased(
+        leased(expired, expired_by=expired.suspension.expires_at)
     )
-    assert got.claimed_run is not None
-    assert got.claimed_run.revision == expired.revision + 1
+    assert got.run is not None
+    assert got.run.revision == expired.revision + 1
 
 
 # --- invariant 4: claim, lease and first snapshot commit together or not at all -------------------------
@@ -764,12 +758,12 @@ async def test_leased_claim_commits_the_claim_the_lease_and_the_first_snapshot_t
     await db.fail_inserts_into("progress")
 
     with pytest.raises(IntermissionError):
-        await stores.suspensions.claim_suspension_leased(scope, leased(p))
+        await stores.at(scope).suspensions.claim_suspension_leased(leased(p))
 
     assert await db.snapshot() == before
     run = await db.run(p.run.id)
     assert (run["state"], run["revision"], run["lease_owner"]) == ("paused", p.revision, None)
     # Without a first snapshot the same claim (no progress insert) goes through.
-    got = await stores.suspensions.claim_suspension_leased(scope, leased(p, with_first=False))
-    assert got.claimed_run is not None
-    assert got.claimed_run.lease_owner is not None
+    got = await stores.at(scope).suspensions.claim_suspension_leased(leased(p, with_first=False))
+    assert got.run is not None
+    assert got.run.lease_owner is not None

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     # Types only: importing tests.support.amqp here would defeat pytest's assertion rewriting of the plugin.
     from tests.support.amqp import Capture, CaptureFactory, ConnectionFactory
 
-pytestmark = pytest.mark.integration
 # The broker fixtures (a vhost per test, captures, the test users) until tests/conftest.py lists them.
 
 TINY_TTL = 0.001  # a deadline a millisecond ahead of the database clock: passed almost at once
@@ -105,7 +104,7 @@ async def test_sweeper_publishes_one_deterministic_expire_per_expired_pause_of_a
     await paused_run(stores, scope, ttl_seconds=HOUR)
     await paused_run(stores, scope, ttl_seconds=0)
     (claimed,) = await expired_pauses(stores, database_url, scope, 1)
-    await stores.suspensions.claim_expired_suspension(scope, claimed.run.id, FAR_FUTURE)
+    await stores.at(scope).suspensions.claim_expired_suspension(claimed.run.id, FAR_FUTURE)
 
     sweeper = await new_sweeper(stores.db, amqp_url, amqp_connect, sweepers, batch=10)
     assert await sweeper.sweep_once() == 3

@@ -23,8 +23,6 @@ from tests.support.waiting import eventually
 if TYPE_CHECKING:
     from tests.support.amqp import Broker, CaptureFactory, ConnectionFactory
 
-pytestmark = pytest.mark.integration
-
 TINY_TTL = 0.001
 STOP_WITHIN = 10.0
 

@@ -1,6 +1,6 @@
 """The short soak (bench/soak) as part of the suite: workers and sweepers as subprocesses under random faults
 (kills, crash points, RabbitMQ and PostgreSQL outages, bad and forged commands) against the real servers,
-then every invariant of DESIGN.md section 4 checked on everything that happened.
+then every invariant of docs/invariants.md checked on everything that happened.
 
 It asserts counts, never wall-clock figures: enough runs and faults to mean something, and no violation.
 The seed is random (``INTERMISSION_SOAK_SEED`` fixes it) and printed, so a failure can be replayed with
@@ -27,8 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 WITHIN_SECONDS = 300
 MIN_RUNS = 300
 MIN_FAULTS = 20
-
-pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(WITHIN_SECONDS + 60)

@@ -57,8 +57,7 @@ async def running_run(
     pause_ttl_seconds: int = 0,
 ) -> tuple[Run, Lease]:
     held = holder or lease()
-    created = await stores.runs.create_run(
-        scope,
+    created = await stores.at(scope).runs.create_run(
         NewRun(
             run_id=run_id or f"run-{uuid.uuid4().hex[:12]}",
             agent_id="demo",
@@ -81,8 +80,7 @@ async def paused_run(
     run_id: str | None = None,
 ) -> PausedRun:
     run, held = await running_run(stores, scope, run_id=run_id)
-    paused = await stores.runs.pause_run(
-        scope,
+    paused = await stores.at(scope).runs.pause_run(
         run.id,
         held.owner,
         Pause(

@@ -64,7 +64,7 @@ def start_command(scope: Scope, script: list[dict[str, Any]], **changes: Any) ->
 
 
 async def run_row(stores: Stores, scope: Scope, run_id: str) -> Run:
-    return await stores.runs.get_run(scope, run_id)
+    return await stores.at(scope).runs.get_run(run_id)
 
 
 async def outbox_keys(stores: Stores, scope: Scope, run_id: str) -> list[str]:

@@ -82,10 +82,13 @@ class Inspector:
         return value
 
     async def wait_until(self, condition_sql: str, *args: Any) -> None:
-        """Poll ``condition_sql`` (one boolean, judged by the database) until it holds; bounded."""
+        """Poll ``condition_sql`` (one boolean, judged by the database) until it holds; bounded.
+
+        Inside a transaction PostgreSQL answers every read of pg_stat_activity from the snapshot its first
+        read took; each poll clears it, so a condition on other sessions is seen as it becomes true."""
         async with asyncio.timeout(WAIT_LIMIT_SECONDS):
             while not await self.con.fetchval(condition_sql, *args):
-                await self.con.execute("SELECT pg_sleep(0.001)")  # a short wait inside the database
+                await self.con.execute("SELECT pg_stat_clear_snapshot(), pg_sleep(0.001)")
 
     async def wait_lease_lapsed(self, run_id: str) -> None:
         await self.wait_until("SELECT lease_expires_at <= now() FROM runs WHERE id = $1", run_id)

@@ -16,7 +16,6 @@ from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, PendingCall, Progress, SuspendReason
 from intermission.store import Stores
-from intermission.store.resume import ResumeStore
 from tests.support.factories import PausedRun, continuation, paused_run
 
 # Every table a resume write may touch; "nothing written" means none of these changed.
@@ -32,10 +31,6 @@ WATCHED_TABLES = (
 )
 
 PROOF_DIGEST = "ab" * 32
-
-
-def resume_store(stores: Stores) -> ResumeStore:
-    return ResumeStore(stores.db)
 
 
 async def agent_reply_pause(
@@ -116,13 +111,10 @@ async def until_db_clock_passes(stores: Stores, moment: datetime) -> None:
             await asyncio.sleep(0.01)
 
 
-async def admitted_and_started(
-    stores: Stores, scope: Scope, store: ResumeStore | None = None
-) -> tuple[PausedRun, ResumeStart]:
-    rs = store or resume_store(stores)
+async def admitted_and_started(stores: Stores, scope: Scope) -> tuple[PausedRun, ResumeStart]:
     p = await agent_reply_pause(stores, scope)
-    admission = await rs.admit_resume(scope, admission_request(p, scope))
-    start = await rs.start_resume(scope, p.run.id, p.suspension.id, admission.request_digest)
+    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    start = await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
     return p, start
 
 
@@ -132,14 +124,12 @@ async def closure_request(
     p: PausedRun,
     *,
     valid_for: timedelta = timedelta(hours=1),
-    store: ResumeStore | None = None,
     **changes: Any,
 ) -> ResumeClosureRequest:
     """A closure request binding the run's latest admission, its start and its current revision, with a
     proof observed now and expiring ``valid_for`` later, both by the database clock."""
-    rs = store or resume_store(stores)
-    admission = await rs.latest_resume_admission(scope, p.run.id)
-    start = await rs.get_resume_start(scope, p.run.id, admission.request.version.suspension_id)
+    admission = await stores.at(scope).resume.latest_resume_admission(p.run.id)
+    start = await stores.at(scope).resume.get_resume_start(p.run.id, admission.request.version.suspension_id)
     now = await db_now(stores)
     current = await run_row(stores, p.run.id)
     fields: dict[str, Any] = {

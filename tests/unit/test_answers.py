@@ -1,4 +1,4 @@
-"""Who may answer which pause, and whether answers fit it (REFERENCE.md scenarios 9 and 20)."""
+"""Who may answer which pause, and whether answers fit it (docs/scenarios.md, scenarios 9 and 20)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""The one-statement paths (a resume command in one read and ONE writing statement, a run's end in ONE
-statement) write exactly what the step-by-step transactions write, and everything unusual falls through
-to those transactions: a duplicate, a message_id conflict, a malformed row, a lost lease, a race."""
+"""The transitions a command and an end run as (store/migrations/0005_transitions.sql) write exactly the
+rows they describe, and everything unusual writes nothing: a duplicate, a message_id conflict, a malformed
+row, a lost lease, a race."""
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -15,22 +14,13 @@ from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswe
 from intermission.schemas.errors import InvalidContinuation, MessageIdConflict, NotSuspended, RunConflict, RunLeaseLost
 from intermission.schemas.events import RunEventKind
 from intermission.schemas.llm import Message, Role
-from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
-from intermission.store.commands import Claimed, CommandStore, RunDefaults
+from intermission.store.commands import RunDefaults
 from intermission.store.inbox import AlreadyApplied, Receipt
 from tests.conftest import MakeStores, race
 from tests.support.factories import PausedRun, lease, paused_run, running_run
-from tests.support.inspect import Inspector, inspector, pin, unexpected, winners
-
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[Inspector]:
-    async with inspector(database_url) as i:
-        yield i
+from tests.support.inspect import Inspector, pin, unexpected, winners
 
 
 def answer(p: PausedRun, content: str = "sunny") -> ResumeCommand:
@@ -43,15 +33,6 @@ def answer(p: PausedRun, content: str = "sunny") -> ResumeCommand:
 
 def receipt(cmd: ResumeCommand, message_id: str | None = None) -> Receipt:
     return Receipt.of(message_id or str(uuid.uuid4()), "run.resume", cmd)
-
-
-async def step_by_step(monkeypatch: pytest.MonkeyPatch, commands: CommandStore) -> None:
-    """Make ``commands`` skip its one-statement resume, so the step-by-step transaction does it."""
-
-    async def skipped(*_args: Any) -> Claimed | None:
-        return None
-
-    monkeypatch.setattr(commands, "_resume_at_once", skipped)
 
 
 async def written(db: Inspector, run_id: str) -> dict[str, Any]:
@@ -82,29 +63,36 @@ async def written(db: Inspector, run_id: str) -> dict[str, Any]:
     }
 
 
-async def test_a_resume_in_one_statement_writes_what_the_step_by_step_transaction_writes(
-    stores: Stores, db: Inspector, scope: Scope, monkeypatch: pytest.MonkeyPatch
+async def test_a_resume_writes_its_claim_lease_snapshot_inbox_record_and_event_and_removes_the_pause(
+    stores: Stores, db: Inspector, scope: Scope
 ) -> None:
-    fast, slow = await paused_run(stores, scope), await paused_run(stores, scope)
+    p = await paused_run(stores, scope)
     held = lease()
-    claimed_fast = await stores.commands.resume(answer(fast), held, receipt=receipt(answer(fast)), correlation_id="m")
-    await step_by_step(monkeypatch, stores.commands)
-    claimed_slow = await stores.commands.resume(answer(slow), held, receipt=receipt(answer(slow)), correlation_id="m")
+    claimed = await stores.commands.resume(answer(p), held, receipt=receipt(answer(p)), correlation_id="m")
 
-    wrote_fast, wrote_slow = await written(db, fast.run.id), await written(db, slow.run.id)
-    assert wrote_fast == wrote_slow
-    assert wrote_fast["run"] == {"state": "running", "revision": fast.revision + 1, "leased": True, "live": True}
-    assert wrote_fast["pause"] is None
-    assert wrote_fast["inbox"] == [{"routing_key": "run.resume", "outcome": "applied"}]
-    assert [e["body"]["revision"] for e in wrote_fast["events"]][-1] == fast.revision + 1
-    # What the fleet is handed is the same too, and matches the rows.
-    for claimed, p in ((claimed_fast, fast), (claimed_slow, slow)):
-        stored = await stores.runs.get_run(scope, p.run.id)
-        assert claimed.run == stored
-        assert claimed.progress.continuation == p.suspension.continuation
-        assert [(r.call_id, r.content) for r in claimed.progress.done] == [("c1", "sunny")]
-        assert claimed.progress.scope == scope
-        assert claimed.correlation_id == "m"
+    wrote = await written(db, p.run.id)
+    assert wrote["run"] == {"state": "running", "revision": p.revision + 1, "leased": True, "live": True}
+    assert wrote["pause"] is None
+    assert wrote["inbox"] == [{"routing_key": "run.resume", "outcome": "applied"}]
+    assert wrote["progress"]["continuation"] == json.loads(p.suspension.continuation.model_dump_json())
+    assert [(r["call_id"], r["content"]) for r in wrote["progress"]["done"]] == [("c1", "sunny")]
+    (resumed,) = wrote["events"]
+    assert resumed["routing_key"] == f"run.resumed.{scope.app}.{scope.tenant}"
+    assert resumed["body"] == {
+        "kind": "resumed",
+        "revision": p.revision + 1,
+        "scope": scope.model_dump(),
+        "output": None,
+        "error": None,
+    }
+    assert resumed["correlation_id"] == "m"
+    # What the fleet is handed matches the rows.
+    stored = await stores.at(scope).runs.get_run(p.run.id)
+    assert claimed.run == stored
+    assert claimed.progress.continuation == p.suspension.continuation
+    assert [(r.call_id, r.content) for r in claimed.progress.done] == [("c1", "sunny")]
+    assert claimed.progress.scope == scope
+    assert claimed.correlation_id == "m"
 
 
 async def test_a_message_id_recorded_for_another_command_is_a_conflict_and_the_resume_writes_nothing(
@@ -216,49 +204,43 @@ async def ended_rows(db: Inspector, run_id: str) -> dict[str, Any]:
     }
 
 
-async def test_an_end_in_one_statement_writes_what_the_transaction_writes(
+async def test_an_end_writes_its_state_session_checkpoints_and_events_and_removes_progress_and_pause(
     stores: Stores, db: Inspector, scope: Scope
 ) -> None:
     own = [Message(role=Role.USER, content="hi"), Message(role=Role.ASSISTANT, content="done, héllo")]
-    found: list[dict[str, Any]] = []
-    for at_revision in (True, False):
-        run, held = await running_run(stores, scope)
-        await db.con.execute(
-            "INSERT INTO checkpoints (run_id, suspension_id, app, tenant) VALUES ($1, 0, $2, $3)",
-            run.id,
-            scope.app,
-            scope.tenant,
-        )
-        event = await stores.runs.end_run(
-            scope,
-            run.id,
-            held.owner,
-            RunEventKind.COMPLETED,
-            output="out",
-            own_messages=own,
-            correlation_id="c",
-            at_revision=run.revision if at_revision else None,
-        )
-        assert event.revision == run.revision + 1
-        found.append(await ended_rows(db, run.id))
-    assert found[0] == found[1]
-    assert found[0]["run"]["state"] == "completed"
-    assert found[0]["checkpoints"] == [{"state": "rejected", "reason": "completed"}]
-    assert [m["content"] for m in found[0]["session"]] == ["hi", "done, héllo"]
-
-
-async def test_an_end_at_another_revision_falls_back_and_ends_the_run_once(
-    stores: Stores, db: Inspector, scope: Scope
-) -> None:
     run, held = await running_run(stores, scope)
-    event = await stores.runs.end_run(
-        scope, run.id, held.owner, RunEventKind.FAILED, error="boom", at_revision=run.revision + 7
+    await db.con.execute(
+        "INSERT INTO checkpoints (run_id, suspension_id, app, tenant) VALUES ($1, 0, $2, $3)",
+        run.id,
+        scope.app,
+        scope.tenant,
+    )
+    event = await stores.at(scope).runs.end_run(
+        run.id, held.owner, RunEventKind.COMPLETED, output="out", own_messages=own, correlation_id="c"
     )
     assert event.revision == run.revision + 1
     rows = await ended_rows(db, run.id)
-    assert rows["run"]["revision"] == run.revision + 1
-    assert len(rows["events"]) == 1
-    assert len(rows["outbox"]) == 1
+    assert rows["run"] == {
+        "state": "completed",
+        "revision": run.revision + 1,
+        "lease_owner": None,
+        "output": "out",
+        "error": None,
+        "ended": True,
+    }
+    assert rows["events"] == [("completed", run.revision + 1, {"output": "out", "error": None})]
+    ((key, body, _headers),) = rows["outbox"]
+    assert key == f"run.completed.{scope.app}.{scope.tenant}"
+    assert body == {
+        "kind": "completed",
+        "revision": run.revision + 1,
+        "scope": scope.model_dump(),
+        "output": "out",
+        "error": None,
+    }
+    assert rows["checkpoints"] == [{"state": "rejected", "reason": "completed"}]
+    assert [m["content"] for m in rows["session"]] == ["hi", "done, héllo"]
+    assert (rows["progress"], rows["pause"]) == (0, 0)
 
 
 async def test_an_end_by_a_worker_that_does_not_hold_the_run_writes_nothing(
@@ -266,7 +248,7 @@ async def test_an_end_by_a_worker_that_does_not_hold_the_run_writes_nothing(
 ) -> None:
     run, _held = await running_run(stores, scope)
     before = await db.snapshot()
-    intruder = Lease(owner="somebody-else", ttl_seconds=30)
-    with pytest.raises(RunLeaseLost):
-        await stores.runs.end_run(scope, run.id, intruder.owner, RunEventKind.COMPLETED, at_revision=run.revision)
+    for intruder in ("somebody-else", ""):
+        with pytest.raises(RunLeaseLost):
+            await stores.at(scope).runs.end_run(run.id, intruder, RunEventKind.COMPLETED)
     assert await db.snapshot() == before

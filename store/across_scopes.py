@@ -1,0 +1,218 @@
+"""Every read that crosses scopes, in one place.
+
+Scope is exact everywhere else: every other store method works at one scope, the one its handle was made
+for (``Stores.at``). The readers here are process infrastructure that has no request scope and must find
+work in all of them: the expiry sweeper, the reclaim sweep, the outbox relay, and operators' overviews.
+Finding work across scopes does not license doing it unscoped: callers act on each row they find only
+under that row's own scope (a sweeper sends each expired pause a command naming it; the reclaim sweep
+continues each run under its stored scope; the relay publishes each event to its own scope's key).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Final
+
+from intermission.schemas.errors import InvalidArgument
+from intermission.schemas.run import Lease, Run, RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import ClaimVersion, Suspension
+from intermission.store import rows
+from intermission.store.db import Conn, Database
+from intermission.store.runs import Reclaimed, check_lease
+from intermission.wire import HeaderValue
+
+# The keyset cursor's start: before every deadline the database can hold.
+_BEFORE_EVERY_DEADLINE: Final = datetime(1, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class ExpiredPause:
+    """A pause whose deadline passed while its run is paused, found by the expiry sweep."""
+
+    scope: Scope
+    run_id: str
+    suspension_id: int
+    run_revision: int
+    expires_at: datetime
+
+    @property
+    def version(self) -> ClaimVersion:
+        return ClaimVersion(run_id=self.run_id, suspension_id=self.suspension_id, run_revision=self.run_revision)
+
+    @property
+    def cursor(self) -> tuple[datetime, int]:
+        return (self.expires_at, self.suspension_id)
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    """One event to publish, exactly as its writer stored it."""
+
+    id: int
+    message_id: str
+    routing_key: str
+    body: str
+    correlation_id: str | None
+    headers: dict[str, HeaderValue]
+
+
+def _headers(raw: str | None) -> dict[str, HeaderValue]:
+    decoded: object = json.loads(raw) if raw else {}
+    if not isinstance(decoded, dict):
+        return {}
+    # AMQP header tables take scalars; the outbox only ever stores scalars (the schema version, a
+    # traceparent), so anything else is a foreign row and is left out rather than failing the batch.
+    return {str(k): v for k, v in decoded.items() if isinstance(v, str | int | float | bool)}
+
+
+class OutboxBatch:
+    """Rows locked by the current relay transaction."""
+
+    def __init__(self, con: Conn, found: list[OutboxRow]) -> None:
+        self._con = con
+        self.rows = found
+
+    async def mark_sent(self, ids: Sequence[int]) -> None:
+        """Mark rows sent: call only with the ids whose publisher confirm arrived."""
+        if ids:
+            await self._con.execute("mark_outbox_sent", list(ids))
+
+
+@dataclass(frozen=True)
+class RunningCount:
+    running: int
+    leased: int
+
+
+def _limit(limit: int | None) -> int | None:
+    """A limit of None or 0 means no limit (the original's ``<= 0``); a negative limit is refused."""
+    if limit is None or limit == 0:
+        return None
+    if limit < 0:
+        raise InvalidArgument("limit must not be negative")
+    return limit
+
+
+class AcrossScopes:
+    """The cross-scope readers over one pool."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    # --- the expiry sweeper ------------------------------------------------------------------------
+
+    async def list_expired_across_scopes(self, now: datetime, limit: int | None) -> list[Suspension]:
+        """The original's ListExpiredAcrossScopes: ``list_expired`` with the scope filter DELIBERATELY bypassed.
+
+        It exists for the expiry sweeper, which is process infrastructure with no request scope. A method
+        of its own rather than a flag, so a cross-scope read is visible as one at the call site and no
+        handler can reach it by passing a zero value.
+        """
+        bounded = _limit(limit)
+        async with self.db.connection() as con:
+            found = await con.fetch("list_expired_across_scopes", now, bounded)
+        return [rows.suspension_from_row(r) for r in found]
+
+    async def database_now(self) -> datetime:
+        """The database clock: every deadline is judged by it, never by this process's clock."""
+        async with self.db.connection() as con:
+            now: datetime = await con.fetchval("database_now")
+        return now
+
+    async def list_expired_paused(
+        self, cutoff: datetime, after: tuple[datetime, int] | None, limit: int
+    ) -> list[ExpiredPause]:
+        """Up to ``limit`` pauses of paused runs, in every scope, whose deadline passed at or before
+        ``cutoff`` (and the database clock), in (expires_at, id) order after the keyset cursor ``after``
+        (None: from the first)."""
+        after_expires, after_id = after if after is not None else (_BEFORE_EVERY_DEADLINE, 0)
+        async with self.db.connection() as con:
+            found = await con.fetch("list_expired_paused_across_scopes", cutoff, after_expires, after_id, limit)
+        return [
+            ExpiredPause(
+                scope=Scope(app=r["app"], tenant=r["tenant"]),
+                run_id=r["run_id"],
+                suspension_id=r["suspension_id"],
+                run_revision=r["run_revision"],
+                expires_at=r["expires_at"],
+            )
+            for r in found
+        ]
+
+    # --- the reclaim sweep -------------------------------------------------------------------------
+
+    async def reclaim_lapsed(self, lease: Lease, limit: int) -> list[Reclaimed]:
+        """Take up to ``limit`` running runs of any scope whose lease lapsed, each under ``lease`` with
+        its progress handed over, skipping runs another worker is taking right now."""
+        check_lease(lease)
+        if limit < 1:
+            raise InvalidArgument("limit must be at least 1")
+        # Decoded inside the taking transaction: a snapshot that cannot be read rolls the takeover back.
+        async with self.db.transaction() as con:
+            taken = await con.fetch(
+                "take_over",
+                owner=lease.owner,
+                lease_ttl=lease.ttl_seconds,
+                limit=limit,
+                run_id=None,
+                app=None,
+                tenant=None,
+                first_continuation=None,
+                first_started=None,
+                first_done=None,
+                first_ending=None,
+                first_approved=None,
+            )
+            reclaimed = []
+            for r in taken:
+                run = rows.run_from_row(r["run"])
+                reclaimed.append(Reclaimed(run, rows.taken_progress(r["progress"], run)))
+            return reclaimed
+
+    # --- the outbox relay --------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def claim_outbox(self, limit: int) -> AsyncIterator[OutboxBatch]:
+        """Lock up to ``limit`` unsent rows, oldest first, for the length of the block, skipping rows another
+        relay holds. The block's ``mark_sent`` commits with it; an error in the block rolls it back and
+        leaves every row unsent."""
+        async with self.db.transaction() as con:
+            found = await con.fetch("claim_unsent_outbox", limit)
+            yield OutboxBatch(
+                con,
+                [
+                    OutboxRow(
+                        id=r["id"],
+                        message_id=str(r["message_id"]),
+                        routing_key=r["routing_key"],
+                        body=r["body"],
+                        correlation_id=r["correlation_id"],
+                        headers=_headers(r["headers"]),
+                    )
+                    for r in found
+                ],
+            )
+
+    async def count_unsent_outbox(self) -> int:
+        async with self.db.connection() as con:
+            return int(await con.fetchval("count_unsent_outbox"))
+
+    # --- operators ---------------------------------------------------------------------------------
+
+    async def count_running(self) -> RunningCount:
+        async with self.db.connection() as con:
+            row = await con.fetchrow("count_running")
+        assert row is not None
+        return RunningCount(running=row["running"], leased=row["leased"])
+
+    async def list_runs(self, state: RunState | None, limit: int) -> list[Run]:
+        if not 1 <= limit <= 1000:
+            raise InvalidArgument("limit must be between 1 and 1000")
+        async with self.db.connection() as con:
+            found = await con.fetch("list_runs", state.value if state else None, limit)
+        return [rows.run_from_row(r) for r in found]
