@@ -8,10 +8,10 @@ consumer checked), so the command store is not bound to one.
 A command that answers a pause takes two round trips. The first reads, at the command's exact scope, the
 run, its live pause and what the inbox holds for the command's message_id; the command is checked against
 that pause (who may answer it, whether the answers fit). The second is the transition
-(``intermission_claim_pause_v1`` with the command's parts), pinned to the pause and revision that were read: a pause row never
-changes after the transaction that wrote it, and a run row does not change without its revision changing,
-so what was checked is exactly what is claimed. A refusal at either step writes nothing, not even the
-inbox record.
+(``intermission_claim_pause_v1`` with the command's parts), pinned to the pause and revision that were
+read: a pause row never changes after the transaction that wrote it, and a run row does not change
+without its revision changing, so what was checked is exactly what is claimed. A refusal at either step
+writes nothing, not even the inbox record.
 """
 
 from __future__ import annotations
