@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import importlib
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import click
+from aio_pika.abc import AbstractRobustConnection
 from pydantic import ValidationError
 
 from intermission.fleet.logs import configure as configure_logs
@@ -67,6 +68,15 @@ def run_or_exit(what: str, work: Coroutine[Any, Any, T]) -> T:
     except (OSError, ConnectionError) as exc:
         click.echo(f"{what} failed: cannot reach a server ({type(exc).__name__}: {exc})", err=True)
     sys.exit(1)
+
+
+async def on_broker(settings: Settings, use: Callable[[AbstractRobustConnection], Awaitable[T]]) -> T:
+    """``use`` a connection of the CLI's own to the broker, closed afterwards."""
+    connection = await connect(settings.amqp_url, "intermission-cli")
+    try:
+        return await use(connection)
+    finally:
+        await connection.close()
 
 
 @main.command("migrate")
@@ -199,11 +209,7 @@ def dead_list(limit: int) -> None:
     from intermission.ops.dead import list_dead
 
     async def run() -> None:
-        connection = await connect(settings.amqp_url, "intermission-cli")
-        try:
-            letters = await list_dead(connection, limit)
-        finally:
-            await connection.close()
+        letters = await on_broker(settings, lambda connection: list_dead(connection, limit))
         for letter in letters:
             click.echo(f"{letter.message_id or '-':<40} {letter.routing_key:<11} {letter.code:<28} {letter.detail}")
         click.echo(f"{len(letters)} dead-lettered command(s)")
@@ -226,11 +232,7 @@ def dead_replay(message_ids: tuple[str, ...], codes: tuple[str, ...], everything
         return everything or letter.message_id in message_ids or letter.code in codes
 
     async def run() -> None:
-        connection = await connect(settings.amqp_url, "intermission-cli")
-        try:
-            replayed = await replay_dead(connection, wanted)
-        finally:
-            await connection.close()
+        replayed = await on_broker(settings, lambda connection: replay_dead(connection, wanted))
         for letter in replayed:
             click.echo(f"replayed {letter.message_id} ({letter.routing_key}, was {letter.code})")
         click.echo(f"{len(replayed)} command(s) replayed")

@@ -77,6 +77,12 @@ def retrying(
     )
 
 
+def backoff(state: RetryCallState) -> dict[str, object]:
+    """What a log line says of a retry that backs off: the attempt, its error, the wait before the next."""
+    error = state.outcome.exception() if state.outcome is not None else None
+    return {"attempt": state.attempt_number, "error": repr(error), "next_seconds": state.upcoming_sleep}
+
+
 def safe_url(url: str) -> str:
     """The URL without its password, for logs."""
     parsed = URL(url)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from types import TracebackType
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, Self, TypedDict, TypeVar
 
 from aio_pika.abc import (
     AbstractIncomingMessage,
@@ -53,6 +53,7 @@ from aio_pika.abc import (
     ConsumerTag,
 )
 from pydantic import BaseModel, ValidationError
+from typing_extensions import Unpack
 from yarl import URL
 
 from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher, connect
@@ -237,6 +238,15 @@ def host_bindings(scope: Scope, kinds: Collection[EventKind] = ALL_KINDS) -> dic
     return keys
 
 
+class SendOptions(TypedDict, total=False):
+    """What every command method takes beside the command: ``message_id`` (a fresh one unless given:
+    re-send with the same id to make a retry idempotent), ``correlation_id`` and a W3C ``traceparent``."""
+
+    message_id: str | None
+    correlation_id: str | None
+    traceparent: str | None
+
+
 class _CommandClient:
     """Publishes commands to ``intermission.commands`` with confirms, as ``user_id``."""
 
@@ -312,53 +322,17 @@ class HostClient(_CommandClient):
         connection = await connect(url, name)
         return cls(connection, user_id=_url_user(url), publish_timeout=publish_timeout, owns_connection=True)
 
-    async def start(
-        self,
-        command: StartCommand,
-        *,
-        message_id: str | None = None,
-        correlation_id: str | None = None,
-        traceparent: str | None = None,
-    ) -> str:
-        return await self.send(
-            Command.START, command, message_id=message_id, correlation_id=correlation_id, traceparent=traceparent
-        )
+    async def start(self, command: StartCommand, **options: Unpack[SendOptions]) -> str:
+        return await self.send(Command.START, command, **options)
 
-    async def resume(
-        self,
-        command: ResumeCommand,
-        *,
-        message_id: str | None = None,
-        correlation_id: str | None = None,
-        traceparent: str | None = None,
-    ) -> str:
-        return await self.send(
-            Command.RESUME, command, message_id=message_id, correlation_id=correlation_id, traceparent=traceparent
-        )
+    async def resume(self, command: ResumeCommand, **options: Unpack[SendOptions]) -> str:
+        return await self.send(Command.RESUME, command, **options)
 
-    async def decide(
-        self,
-        command: DecideCommand,
-        *,
-        message_id: str | None = None,
-        correlation_id: str | None = None,
-        traceparent: str | None = None,
-    ) -> str:
-        return await self.send(
-            Command.DECIDE, command, message_id=message_id, correlation_id=correlation_id, traceparent=traceparent
-        )
+    async def decide(self, command: DecideCommand, **options: Unpack[SendOptions]) -> str:
+        return await self.send(Command.DECIDE, command, **options)
 
-    async def cancel(
-        self,
-        command: CancelCommand,
-        *,
-        message_id: str | None = None,
-        correlation_id: str | None = None,
-        traceparent: str | None = None,
-    ) -> str:
-        return await self.send(
-            Command.CANCEL, command, message_id=message_id, correlation_id=correlation_id, traceparent=traceparent
-        )
+    async def cancel(self, command: CancelCommand, **options: Unpack[SendOptions]) -> str:
+        return await self.send(Command.CANCEL, command, **options)
 
     def subscribe(
         self,
@@ -399,20 +373,12 @@ class BusClient(_CommandClient):
         version: ClaimVersion,
         reply_with: str,
         input: str,
-        *,
-        message_id: str | None = None,
-        correlation_id: str | None = None,
-        traceparent: str | None = None,
+        **options: Unpack[SendOptions],
     ) -> str:
         """Answer the pause ``version`` names; ``input`` (the agent's encoded reply) is delivered to the run
         byte for byte."""
-        return await self.send(
-            Command.REPLY,
-            ReplyCommand(scope=scope, version=version, reply_with=reply_with, input=input),
-            message_id=message_id,
-            correlation_id=correlation_id,
-            traceparent=traceparent,
-        )
+        reply = ReplyCommand(scope=scope, version=version, reply_with=reply_with, input=input)
+        return await self.send(Command.REPLY, reply, **options)
 
     def subscribe(
         self, scope: Scope | None = None, *, durable_queue: str | None = None, prefetch: int = 64

@@ -36,7 +36,7 @@ import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from tenacity import RetryCallState
 
-from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, Outgoing, PublishFailed, retrying
+from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, Outgoing, PublishFailed, backoff, retrying
 from intermission.store.across_scopes import AcrossScopes, OutboxRow
 from intermission.store.db import Database
 from intermission.store.notifications import OutboxListener
@@ -192,16 +192,9 @@ class OutboxRelay:
 
     def _failed(self, state: RetryCallState) -> None:
         self.failures += 1
-        error = state.outcome.exception() if state.outcome is not None else None
         log.warning(
             "relay could not publish; backing off",
-            extra={
-                "action": "relay_retry",
-                "relay": self._name,
-                "attempt": state.attempt_number,
-                "error": repr(error),
-                "next_seconds": state.upcoming_sleep,
-            },
+            extra={"action": "relay_retry", "relay": self._name, **backoff(state)},
         )
 
     async def _idle(self, stop: asyncio.Event, listener: OutboxListener | None) -> None:

@@ -45,7 +45,15 @@ import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from tenacity import RetryCallState
 
-from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, Outgoing, PublishFailed, retrying, wait_or_stop
+from intermission.publishers.amqp import (
+    RETRYABLE,
+    ConfirmingPublisher,
+    Outgoing,
+    PublishFailed,
+    backoff,
+    retrying,
+    wait_or_stop,
+)
 from intermission.schemas.commands import ExpireCommand
 from intermission.store.across_scopes import AcrossScopes, ExpiredPause
 from intermission.store.db import Database
@@ -242,16 +250,8 @@ class ExpirySweeper:
 
     def _failed(self, state: RetryCallState) -> None:
         self.failures += 1
-        error = state.outcome.exception() if state.outcome is not None else None
         log.warning(
-            "sweep failed; backing off",
-            extra={
-                "action": "sweep_retry",
-                "sweeper": self._name,
-                "attempt": state.attempt_number,
-                "error": repr(error),
-                "next_seconds": state.upcoming_sleep,
-            },
+            "sweep failed; backing off", extra={"action": "sweep_retry", "sweeper": self._name, **backoff(state)}
         )
 
     async def close(self) -> None:

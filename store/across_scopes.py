@@ -89,15 +89,6 @@ class RunningCount:
     leased: int
 
 
-def _limit(limit: int | None) -> int | None:
-    """A limit of None or 0 means no limit (the original's ``<= 0``); a negative limit is refused."""
-    if limit is None or limit == 0:
-        return None
-    if limit < 0:
-        raise InvalidArgument("limit must not be negative")
-    return limit
-
-
 class AcrossScopes:
     """The cross-scope readers over one pool."""
 
@@ -113,7 +104,7 @@ class AcrossScopes:
         of its own rather than a flag, so a cross-scope read is visible as one at the call site and no
         handler can reach it by passing a zero value.
         """
-        bounded = _limit(limit)
+        bounded = rows.optional_limit(limit)
         async with self.db.connection() as con:
             found = await con.fetch("list_expired_across_scopes", now, bounded)
         return [rows.suspension_from_row(r) for r in found]

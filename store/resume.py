@@ -193,29 +193,25 @@ def _admission(row: asyncpg.Record, *, fresh: bool = False) -> ResumeAdmission:
     )
 
 
-def _start_record(row: asyncpg.Record) -> ResumeStart:
-    return ResumeStart(
-        schema_version=_schema_version(row),
-        version=ClaimVersion(
+def _pinned(row: asyncpg.Record) -> dict[str, Any]:
+    """What every evidence record of a pause says of it: its schema version, the pin and the scope."""
+    return {
+        "schema_version": _schema_version(row),
+        "version": ClaimVersion(
             run_id=row["run_id"], suspension_id=row["suspension_id"], run_revision=row["pinned_revision"]
         ),
-        scope=Scope(app=row["app"], tenant=row["tenant"]),
-        request_digest=row["request_digest"],
-        started_at=row["started_at"],
-    )
+        "scope": Scope(app=row["app"], tenant=row["tenant"]),
+        "request_digest": row["request_digest"],
+    }
+
+
+def _start_record(row: asyncpg.Record) -> ResumeStart:
+    return ResumeStart(**_pinned(row), started_at=row["started_at"])
 
 
 def _expiry(row: asyncpg.Record) -> ResumeExpiry:
     return ResumeExpiry(
-        schema_version=_schema_version(row),
-        version=ClaimVersion(
-            run_id=row["run_id"], suspension_id=row["suspension_id"], run_revision=row["pinned_revision"]
-        ),
-        scope=Scope(app=row["app"], tenant=row["tenant"]),
-        request_digest=row["request_digest"],
-        event_id=row["event_id"],
-        run_revision=row["run_revision"],
-        expired_at=row["expired_at"],
+        **_pinned(row), event_id=row["event_id"], run_revision=row["run_revision"], expired_at=row["expired_at"]
     )
 
 
@@ -420,16 +416,21 @@ class ResumeStore:
 
     # --- reads -------------------------------------------------------------------------------------
 
-    async def get_resume_admission(self, run_id: str, suspension_id: int) -> ResumeAdmission:
+    async def _evidence(self, query: str, what: str, run_id: str, suspension_id: int) -> asyncpg.Record:
+        """One evidence row of a pause at this scope, by its named query; ResumeAdmissionNotFound naming
+        ``what`` when there is none."""
         _check_run_id(run_id)
         _check_suspension_id(suspension_id)
         async with self.db.connection() as con:
-            row = await con.fetchrow("resume_get_admission", run_id, suspension_id, self.scope.app, self.scope.tenant)
+            row = await con.fetchrow(query, run_id, suspension_id, self.scope.app, self.scope.tenant)
         if row is None:
             raise ResumeAdmissionNotFound(
-                f"no admission for suspension {suspension_id} of run {run_id} at scope {self.scope}"
+                f"no {what} for suspension {suspension_id} of run {run_id} at scope {self.scope}"
             )
-        return _admission(row)
+        return row
+
+    async def get_resume_admission(self, run_id: str, suspension_id: int) -> ResumeAdmission:
+        return _admission(await self._evidence("resume_get_admission", "admission", run_id, suspension_id))
 
     async def latest_resume_admission(self, run_id: str) -> ResumeAdmission:
         """The run's admission with the highest suspension id: its latest admitted pause."""
@@ -465,37 +466,13 @@ class ResumeStore:
 
     async def get_resume_start(self, run_id: str, suspension_id: int) -> ResumeStart:
         """A recorded start, never with its suspension: reading a start grants nothing."""
-        _check_run_id(run_id)
-        _check_suspension_id(suspension_id)
-        async with self.db.connection() as con:
-            row = await con.fetchrow("resume_get_start", run_id, suspension_id, self.scope.app, self.scope.tenant)
-        if row is None:
-            raise ResumeAdmissionNotFound(
-                f"no start for suspension {suspension_id} of run {run_id} at scope {self.scope}"
-            )
-        return _start_record(row)
+        return _start_record(await self._evidence("resume_get_start", "start", run_id, suspension_id))
 
     async def get_resume_expiry(self, run_id: str, suspension_id: int) -> ResumeExpiry:
-        _check_run_id(run_id)
-        _check_suspension_id(suspension_id)
-        async with self.db.connection() as con:
-            row = await con.fetchrow("resume_get_expiry", run_id, suspension_id, self.scope.app, self.scope.tenant)
-        if row is None:
-            raise ResumeAdmissionNotFound(
-                f"no expiry for suspension {suspension_id} of run {run_id} at scope {self.scope}"
-            )
-        return _expiry(row)
+        return _expiry(await self._evidence("resume_get_expiry", "expiry", run_id, suspension_id))
 
     async def get_resume_closure(self, run_id: str, suspension_id: int) -> ResumeClosure:
-        _check_run_id(run_id)
-        _check_suspension_id(suspension_id)
-        async with self.db.connection() as con:
-            row = await con.fetchrow("resume_get_closure", run_id, suspension_id, self.scope.app, self.scope.tenant)
-        if row is None:
-            raise ResumeAdmissionNotFound(
-                f"no closure for suspension {suspension_id} of run {run_id} at scope {self.scope}"
-            )
-        return _closure(row)
+        return _closure(await self._evidence("resume_get_closure", "closure", run_id, suspension_id))
 
     # --- expiry ------------------------------------------------------------------------------------
 

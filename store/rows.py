@@ -53,6 +53,15 @@ def _storable(encoded: str) -> str:
     return encoded
 
 
+def optional_limit(limit: int | None) -> int | None:
+    """A listing's limit: None or 0 means no limit (the original's ``<= 0``); a negative one is refused."""
+    if limit is None or limit == 0:
+        return None
+    if limit < 0:
+        raise InvalidArgument("limit must not be negative")
+    return limit
+
+
 def dump(value: BaseModel) -> str:
     return _storable(value.model_dump_json())
 

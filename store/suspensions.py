@@ -45,15 +45,6 @@ class ClaimedPause:
     run: Run
 
 
-def _limit(limit: int | None) -> int | None:
-    """A limit of None or 0 means no limit (the original's ``<= 0``); a negative limit is refused."""
-    if limit is None or limit == 0:
-        return None
-    if limit < 0:
-        raise InvalidArgument("limit must not be negative")
-    return limit
-
-
 def refusal(
     outcome: str,
     row: asyncpg.Record | Mapping[str, Any],
@@ -153,7 +144,7 @@ class SuspensionStore:
 
     async def list_expired(self, now: datetime, limit: int | None) -> list[Suspension]:
         """Pauses at this scope whose deadline is at or before ``now`` (and the database clock)."""
-        bounded = _limit(limit)
+        bounded = rows.optional_limit(limit)
         async with self.db.connection() as con:
             found = await con.fetch("list_expired", self.scope.app, self.scope.tenant, now, bounded)
         return [rows.suspension_from_row(r) for r in found]
