@@ -1,18 +1,23 @@
 """From a delivery to a validated command, or a typed refusal.
 
 Everything a worker reads off the wire is checked here, before any database access: the message_id (the
-idempotency key), the schema version header, and the body against the command's strict model (unknown
-fields are refused). A scope that is missing or malformed is ``invalid_scope``; any other shape problem is
-``invalid_message``.
+idempotency key), the schema version header, the body's size and nesting depth (before anything parses
+it), and the body against the command's strict model (unknown fields are refused). A scope that is missing
+or malformed is ``invalid_scope``; any other shape problem is ``invalid_message``.
+
+The limits exist because a command queue is shared: one message that makes its handler raise something
+other than a refusal, or spend seconds of CPU, stops or slows every command behind it.
 """
 
 from __future__ import annotations
 
-import json
+import re
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from itertools import accumulate
+from typing import Any, Final, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 
 from intermission.schemas.errors import InvalidMessage, InvalidScope, UnsupportedSchemaVersion
 from intermission.wire import SCHEMA_VERSION, SCHEMA_VERSION_HEADER
@@ -20,9 +25,21 @@ from intermission.wire import SCHEMA_VERSION, SCHEMA_VERSION_HEADER
 C = TypeVar("C", bound=BaseModel)
 
 
-# A command body is small; anything near this is an attack or a bug. The 8 MiB reply input (JSON escaped)
-# plus its envelope fits.
-MAX_BODY_BYTES = 17 * 1024 * 1024
+# run.reply carries the agent's reply, up to 8 MiB of JSON-escaped input (schemas/resume.py); escaped once
+# more inside the command's JSON it can double, and the envelope adds a little. Every other command's limit
+# is a setting (``INTERMISSION_MAX_COMMAND_BYTES``, 1 MiB by default): a resume's tool results are the
+# largest of them and are not meant to carry documents.
+MAX_REPLY_BODY_BYTES: Final = 17 * 1024 * 1024
+# Deeper than any command the contract describes (script arguments are the deepest, a few levels). The JSON
+# parser's own limit (200) would refuse deeper bodies too, but Python's json module and any code that walks
+# the parsed value recursively would not be safe at that depth; the check runs before either can.
+MAX_JSON_DEPTH: Final = 64
+# An AMQP short string: the longest message_id the wire can carry, and so the longest an id may be.
+MAX_SHORT_STRING_BYTES: Final = 255
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_A_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_CHANGE = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 
 
 @dataclass(frozen=True)
@@ -41,8 +58,13 @@ def check_envelope(delivery: Delivery) -> str:
     """The message_id and schema version; returns the message_id."""
     if not delivery.message_id:
         raise InvalidMessage("the message has no message_id")
-    if len(delivery.message_id) > 256:
-        raise InvalidMessage("the message_id is longer than 256 characters")
+    if not delivery.message_id.isprintable():
+        # Control characters (NUL above all, which PostgreSQL text cannot hold) in an id are a forgery or a
+        # bug, and an id is copied into logs and events.
+        raise InvalidMessage("the message_id holds control characters")
+    if len(delivery.message_id.encode()) > MAX_SHORT_STRING_BYTES:
+        # Only a Delivery made by hand can get here: AMQP itself carries no longer id.
+        raise InvalidMessage(f"the message_id is longer than {MAX_SHORT_STRING_BYTES} bytes")
     version = delivery.headers.get(SCHEMA_VERSION_HEADER)
     if version is None:
         raise UnsupportedSchemaVersion(f"the message has no {SCHEMA_VERSION_HEADER} header")
@@ -51,9 +73,25 @@ def check_envelope(delivery: Delivery) -> str:
     return delivery.message_id
 
 
+def check_body_limits(body: bytes, max_bytes: int) -> None:
+    """Size and nesting depth, checked on the raw bytes before anything parses the body."""
+    if len(body) > max_bytes:
+        raise InvalidMessage(f"the body is {len(body)} bytes, over this command's limit of {max_bytes}")
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise InvalidMessage(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+
+
+def json_depth(body: bytes) -> int:
+    """How deep arrays and objects nest in ``body``, counted without parsing it: strings are removed first
+    (a bracket inside a string is text), then only brackets are kept. Linear in the body's size, with no
+    recursion, whatever the body holds; a malformed body gives some number and the parser refuses it later."""
+    skeleton = _JSON_STRING.sub(b"", body).translate(None, _NOT_A_BRACKET)
+    if not skeleton:
+        return 0
+    return max(0, max(accumulate(_DEPTH_CHANGE[b] for b in skeleton)))
+
+
 def parse_body(model: type[C], body: bytes) -> C:
-    if len(body) > MAX_BODY_BYTES:
-        raise InvalidMessage(f"the body is over {MAX_BODY_BYTES} bytes")
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
@@ -65,15 +103,24 @@ def parse_body(model: type[C], body: bytes) -> C:
         raise InvalidMessage(f"{where}: {first['msg']} ({len(errors)} problem(s))") from exc
 
 
-def scope_hint(body: bytes) -> tuple[str, str] | None:
-    """The body's scope if it is readable at all, to route a rejection to the sender's scope."""
-    try:
-        parsed = json.loads(body)
-        scope = parsed.get("scope") if isinstance(parsed, dict) else None
-        if isinstance(scope, dict):
-            app, tenant = scope.get("app"), scope.get("tenant")
-            if isinstance(app, str) and isinstance(tenant, str):
-                return app, tenant
-    except (ValueError, UnicodeDecodeError):
+def readable_body(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, if it is one within the limits, for what a refusal can say about it
+    (its scope, its run). Never raises: a refusal must be possible whatever the body holds. The parser
+    used has a recursion limit of its own, and the depth is checked first anyway."""
+    if len(body) > MAX_REPLY_BODY_BYTES or json_depth(body) > MAX_JSON_DEPTH:
         return None
+    try:
+        parsed = from_json(body)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def scope_hint(body: dict[str, Any] | None) -> tuple[str, str] | None:
+    """The body's scope if it is readable at all, to route a rejection to the sender's scope."""
+    scope = body.get("scope") if body is not None else None
+    if isinstance(scope, dict):
+        app, tenant = scope.get("app"), scope.get("tenant")
+        if isinstance(app, str) and isinstance(tenant, str):
+            return app, tenant
     return None

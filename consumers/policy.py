@@ -1,8 +1,8 @@
 """THE ack policy. Every command goes through ``AckPolicy.process``; there is no other.
 
-1. Check the envelope (message_id, schema version) and the body; refusals here touch nothing.
-2. Run the command's ONE transaction (inbox record, claim, lease, first progress, outbox event). Transient
-   failures (a lost connection, a serialisation failure, a deadlock) are retried with backoff.
+1. Check the envelope (message_id, schema version) and the body's size and depth; refusals here touch
+   nothing and read nothing but the raw bytes.
+2. Run the command's ONE transaction (inbox record, claim, lease, first progress, outbox event).
 3. Acknowledge only after the commit. Then hand the claimed run to the fleet: from here the run's safety
    rests on its lease, not on the broker, so no delivery is held for the length of a run.
 
@@ -11,8 +11,18 @@ Outcomes other than success:
   rejection;
 - a permanent error: publish ``command.rejected`` and a dead-lettered copy with the code in
   ``x-intermission-error`` (both confirmed), then acknowledge;
-- a transient error that outlasted the retries, or a bug: return the message to its queue; the quorum
-  queue's delivery limit dead-letters a message that keeps failing.
+- a transient error (the database away: a restart, a failover, a lost connection; a serialisation failure
+  or deadlock): the delivery is HELD and the transaction retried with capped backoff for up to
+  ``retry_seconds`` (three minutes by default: longer than a managed database's failover). Meanwhile this
+  worker starts no other command (``Availability``): each would only fail the same way and spend a
+  delivery. Only a failure that outlasts the window returns the message to its queue. Counting outages as
+  deliveries would let the quorum queue's delivery limit dead-letter every command that arrived during
+  one, which is exactly what a 30-second failover must not do;
+- a bug in a handler: return the message to its queue; the delivery limit dead-letters a message that
+  keeps failing, with the broker's ``x-death`` reason;
+- anything at all going wrong while settling (building the refusal itself, say): reject the delivery
+  without requeue, so the queue's dead-letter exchange keeps it with its ``x-death`` reason. A delivery is
+  ALWAYS settled: one left unsettled holds a prefetch slot for good, and a handful of them stop the queue.
 """
 
 from __future__ import annotations
@@ -22,19 +32,24 @@ import contextlib
 import logging
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from intermission.consumers.handlers import CommandHandlers, StaleExpiry
-from intermission.consumers.parsing import Delivery, check_envelope
+from intermission.consumers.parsing import MAX_REPLY_BODY_BYTES, Delivery, check_body_limits, check_envelope
 from intermission.consumers.rejection import Rejecter
-from intermission.schemas.errors import PermanentError, TransientError
+from intermission.fleet import points
+from intermission.schemas.errors import PermanentError, StoreContention, TransientError
 from intermission.store.commands import Claimed
 from intermission.store.inbox import AlreadyApplied
 from intermission.wire import Command
 
 log = logging.getLogger("intermission.consumers")
+
+# The default body limit of every command but run.reply (whose limit follows from its 8 MiB input).
+DEFAULT_MAX_COMMAND_BYTES = 1024 * 1024
 
 
 def delivery_of(message: AbstractIncomingMessage, command: Command) -> Delivery:
@@ -48,6 +63,44 @@ def delivery_of(message: AbstractIncomingMessage, command: Command) -> Delivery:
     )
 
 
+@dataclass(frozen=True)
+class CommandLimits:
+    """What a command's body may be, checked before it is parsed."""
+
+    max_command_bytes: int = DEFAULT_MAX_COMMAND_BYTES
+
+    def body_bytes(self, command: Command) -> int:
+        return MAX_REPLY_BODY_BYTES if command is Command.REPLY else self.max_command_bytes
+
+
+class Availability:
+    """Whether the database answers, as this worker's commands last saw it.
+
+    A command whose transaction failed transiently marks it away; the next command that commits marks it
+    back. While it is away, commands not yet started wait (up to the retry window) before their first
+    attempt, so an outage costs one failing transaction per held delivery and backoff, not one per
+    delivery the broker keeps handing over.
+    """
+
+    def __init__(self) -> None:
+        self._up = asyncio.Event()
+        self._up.set()
+
+    @property
+    def is_up(self) -> bool:
+        return self._up.is_set()
+
+    def away(self) -> None:
+        self._up.clear()
+
+    def back(self) -> None:
+        self._up.set()
+
+    async def wait_back(self, within: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._up.wait(), within)
+
+
 class AckPolicy:
     def __init__(
         self,
@@ -55,47 +108,91 @@ class AckPolicy:
         rejecter: Rejecter,
         on_claimed: Callable[[Claimed], None],
         *,
-        attempts: int = 5,
+        retry_seconds: float = 180.0,
+        max_backoff_seconds: float = 5.0,
+        limits: CommandLimits | None = None,
         after_commit: Callable[[], None] = lambda: None,
         observe: Callable[[Command, str, str], None] = lambda command, outcome, code: None,
     ) -> None:
         self.handlers = handlers
         self.rejecter = rejecter
         self.on_claimed = on_claimed
-        self.attempts = attempts
+        self.retry_seconds = retry_seconds
+        self.max_backoff_seconds = max_backoff_seconds
+        self.limits = limits or CommandLimits()
+        self.availability = Availability()
         # Between the commit and the acknowledgement: the crash tests kill a worker here.
         self.after_commit = after_commit
         # (command, outcome, error code) of every delivery handled: the worker counts them for metrics.
         self.observe = observe
 
     async def _apply(self, command: Command, delivery: Delivery, message_id: str) -> Claimed | None:
-        """The command's transaction, retried with backoff on transient errors. The first attempt runs
-        without the retry machinery: it almost always succeeds, and building tenacity's state for every
-        message costs more than the attempt's own Python work."""
+        """The command's transaction, retried with backoff on transient errors until ``retry_seconds`` have
+        passed. The first attempt runs without the retry machinery: it almost always succeeds, and building
+        tenacity's state for every message costs more than the attempt's own Python work."""
+        if not self.availability.is_up:
+            await self.availability.wait_back(self.retry_seconds)
         try:
-            return await self.handlers.apply(command, delivery, message_id)
-        except TransientError:
-            if self.attempts <= 1:
+            claimed = await self.handlers.apply(command, delivery, message_id)
+        except TransientError as exc:
+            if not isinstance(exc, StoreContention):
+                self.availability.away()
+            if self.retry_seconds <= 0:
                 raise
-        # The same back-off as one tenacity loop over every attempt: up to 0.05 s after the first failure,
-        # then doubling (full jitter, capped at 2 s).
+        else:
+            self.availability.back()
+            return claimed
         await asyncio.sleep(random.uniform(0, 0.05))  # noqa: S311 - jitter, not cryptography
-        claimed: Claimed | None = None
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(TransientError),
-            wait=wait_random_exponential(multiplier=0.1, max=2.0),
-            stop=stop_after_attempt(self.attempts - 1),
+            # Full jitter, doubling from 0.1 s, capped: a database that comes back is noticed within the cap.
+            wait=wait_random_exponential(multiplier=0.1, max=self.max_backoff_seconds),
+            stop=stop_after_delay(self.retry_seconds),
+            before_sleep=lambda state: self._waiting(state, delivery),
             reraise=True,
         ):
             with attempt:
                 claimed = await self.handlers.apply(command, delivery, message_id)
+        self.availability.back()
         return claimed
 
+    @staticmethod
+    def _waiting(state: RetryCallState, delivery: Delivery) -> None:
+        if state.attempt_number in (1, 10) or state.attempt_number % 50 == 0:
+            failure = state.outcome.exception() if state.outcome is not None else None
+            log.warning(
+                "the database is unavailable; holding the command and retrying",
+                extra={
+                    "action": "command_held",
+                    "message_id": delivery.message_id,
+                    "attempt": state.attempt_number,
+                    "held_seconds": round(state.seconds_since_start or 0.0, 1),
+                    "error": getattr(failure, "code", type(failure).__name__),
+                },
+            )
+
     async def process(self, message: AbstractIncomingMessage, command: Command) -> None:
+        """Settle ``message``, whatever it holds (see the module docstring)."""
+        try:
+            await self._settle(message, command)
+        except Exception:
+            # Building or publishing the refusal failed, or reading the delivery did: never leave it
+            # unsettled. The broker dead-letters it with reason "rejected". (A delivery that was settled
+            # before the failure refuses a second settlement locally, without a word to the broker.)
+            log.exception(
+                "could not settle a command; rejected to the dead-letter exchange",
+                extra={"action": "dead_lettered", "message_id": message.message_id, "queue": command.queue},
+            )
+            with contextlib.suppress(Exception):
+                await message.reject(requeue=False)
+            self.observe(command, "dead_lettered", "unsettled")
+
+    async def _settle(self, message: AbstractIncomingMessage, command: Command) -> None:
         delivery = delivery_of(message, command)
         extra = {"message_id": delivery.message_id, "routing_key": delivery.routing_key}
         try:
             message_id = check_envelope(delivery)
+            check_body_limits(delivery.body, self.limits.body_bytes(command))
             claimed = await self._apply(command, delivery, message_id)
         except AlreadyApplied:
             log.info("duplicate command; its effect committed before", extra={"action": "duplicate", **extra})
@@ -112,12 +209,16 @@ class AckPolicy:
                 "command rejected",
                 extra={"action": "command_rejected", "code": exc.code, "detail": exc.detail, **extra},
             )
+            points.reach(points.REFUSING)
             await self.rejecter.reject(delivery, exc)
             await message.ack()
             self.observe(command, "rejected", exc.code)
             return
         except TransientError as exc:
-            log.warning("command failed transiently; requeued", extra={"action": "requeue", "error": exc.code, **extra})
+            log.warning(
+                "command failed transiently for the whole retry window; requeued",
+                extra={"action": "requeue", "error": exc.code, **extra},
+            )
             await message.nack(requeue=True)
             self.observe(command, "requeued", exc.code)
             return

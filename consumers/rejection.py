@@ -1,24 +1,34 @@
 """Refusing a command: a ``command.rejected`` event for the sender, and a dead-lettered copy with its
 reason in ``x-intermission-error``. Both are published with confirms BEFORE the original is acknowledged,
-so a refused command is never lost: it is either in the dead-letter queue or still in its own queue."""
+so a refused command is never lost: it is either in the dead-letter queue or still in its own queue.
+
+Whatever the refused message holds, building the refusal must not fail: what it says about the body (its
+scope, its run) is read with a parser that cannot recurse without bound and is left out when unreadable,
+the ids derived from its message_id always fit the wire (``intermission/wire.py``), and its headers are
+copied in a form the wire can carry again.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import re
+from typing import Any
 
 from aio_pika.abc import AbstractExchange
 from pydantic import ValidationError
 
-from intermission.consumers.parsing import Delivery, scope_hint
+from intermission.consumers.parsing import Delivery, readable_body, scope_hint
 from intermission.schemas.errors import IntermissionError
 from intermission.schemas.events import CommandRejected
+from intermission.schemas.ids import RUN_ID_PATTERN
 from intermission.schemas.scope import Scope
 from intermission.wire import dead_copy, rejected_key, rejection_message
 
+_RUN_ID = re.compile(RUN_ID_PATTERN)
 
-def _scope(delivery: Delivery) -> Scope | None:
-    hint = scope_hint(delivery.body)
+
+def _scope(body: dict[str, Any] | None) -> Scope | None:
+    hint = scope_hint(body)
     if hint is None:
         return None
     try:
@@ -27,16 +37,12 @@ def _scope(delivery: Delivery) -> Scope | None:
         return None
 
 
-def _run_id(delivery: Delivery) -> str | None:
-    try:
-        body = json.loads(delivery.body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(body, dict):
+def _run_id(body: dict[str, Any] | None) -> str | None:
+    if body is None:
         return None
     version = body.get("version")
     candidate = version.get("run_id") if isinstance(version, dict) else body.get("run_id")
-    return candidate if isinstance(candidate, str) and len(candidate) <= 128 else None
+    return candidate if isinstance(candidate, str) and _RUN_ID.fullmatch(candidate) else None
 
 
 class Rejecter:
@@ -45,14 +51,15 @@ class Rejecter:
         self.dead = dead
 
     async def reject(self, delivery: Delivery, error: IntermissionError) -> CommandRejected:
-        scope = _scope(delivery)
+        body = readable_body(delivery.body)
+        scope = _scope(body)
         rejection = CommandRejected(
             message_id=delivery.message_id or "",
             routing_key=delivery.routing_key,
             code=error.code,
             detail=error.detail,
             scope=scope,
-            run_id=_run_id(delivery),
+            run_id=_run_id(body),
         )
         copy = dead_copy(
             delivery.body,

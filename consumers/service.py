@@ -1,8 +1,11 @@
-"""Consuming the six command queues with bounded prefetch, and stopping gracefully.
+"""Consuming the six command queues, with the commands in flight bounded for the whole worker, and
+stopping gracefully.
 
 The queues and exchanges come declared (``intermission/wire.py``) on a robust channel, so aio-pika restores
-the consumers after a reconnect. Prefetch bounds how many commands are in flight at once; since no
-delivery is held for the length of a run, a small prefetch is enough to keep the database busy.
+the consumers after a reconnect. Prefetch is per consumer (RabbitMQ's quorum queues do not implement a
+channel-wide prefetch), so six consumers could otherwise run six times the prefetch at once against a pool
+of a few connections. ``in_flight_limit`` bounds the commands whose transactions run at once across all
+six; deliveries beyond it wait in this process, unacknowledged, without holding a database connection.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ log = logging.getLogger("intermission.consumers")
 
 
 class CommandConsumers:
-    def __init__(self, policy: AckPolicy, queues: Mapping[Command, AbstractQueue]) -> None:
+    def __init__(self, policy: AckPolicy, queues: Mapping[Command, AbstractQueue], *, in_flight_limit: int = 8) -> None:
         self.policy = policy
         self.queues = dict(queues)
+        self._slots = asyncio.Semaphore(in_flight_limit)
         self._tags: dict[Command, str] = {}
         self._in_flight: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
@@ -40,7 +44,8 @@ class CommandConsumers:
             self._in_flight.add(task)
             self._idle.clear()
             try:
-                await self.policy.process(message, command)
+                async with self._slots:
+                    await self.policy.process(message, command)
             finally:
                 self._in_flight.discard(task)
                 if not self._in_flight:

@@ -4,7 +4,8 @@ They name the moments at which a crash is most dangerous to the exactly-once gua
 committed, a command committed but not acknowledged, a non-retry-safe call that ran but whose result is
 not saved, a step boundary, a pause. The crash tests and the soak install an observer that SIGKILLs the
 process at one of them (``tests/support/crash.py``), which is how recovery from each is proved with a real
-kill. Production installs none; reaching a point then costs one comparison.
+kill. An observer may also raise, which is how the refusal path is shown to settle a delivery even when
+building its refusal fails. Production installs none; reaching a point then costs one comparison.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ AFTER_COMMIT: Final = "after_commit"  # a command's transaction committed; its m
 AFTER_STARTED: Final = "after_started"  # a non-retry-safe call ran; its result is not saved yet
 BETWEEN_STEPS: Final = "between_steps"  # a step boundary was saved; the next step has not begun
 AFTER_PAUSE: Final = "after_pause"  # a pause committed
-POINTS: Final = frozenset({AFTER_CLAIM, AFTER_COMMIT, AFTER_STARTED, BETWEEN_STEPS, AFTER_PAUSE})
+REFUSING: Final = "refusing"  # a command is refused; its refusal is not built or published yet
+POINTS: Final = frozenset({AFTER_CLAIM, AFTER_COMMIT, AFTER_STARTED, BETWEEN_STEPS, AFTER_PAUSE, REFUSING})
 
 Observer = Callable[[str], None]
 

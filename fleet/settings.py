@@ -6,6 +6,8 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from intermission.schemas.limits import MAX_PAUSE_TTL_SECONDS
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="INTERMISSION_", extra="ignore", frozen=True)
@@ -14,7 +16,16 @@ class Settings(BaseSettings):
     amqp_url: str = "amqp://guest:guest@localhost:5672/"
     # The RabbitMQ user whose broker-validated user_id marks a message as the messaging bus's reply.
     bus_user: str = "intermission-bus"
+    # Deliveries each command queue's consumer may hold unacknowledged (RabbitMQ's prefetch, per consumer).
     prefetch: int = Field(default=16, ge=1, le=1000)
+    # Commands whose transactions run at once in this worker, across all six queues: fewer than the pool's
+    # connections, so the relay, the reclaim sweep and the runs themselves always find one.
+    commands_in_flight: int = Field(default=6, ge=1, le=1000)
+    # How long a command is held and retried while the database is unavailable before it is requeued:
+    # longer than a managed database's failover (typically 30-120 s).
+    command_retry_seconds: float = Field(default=180.0, ge=0)
+    # The largest body of any command but run.reply (whose limit follows from its 8 MiB input).
+    max_command_bytes: int = Field(default=1024 * 1024, ge=1024, le=16 * 1024 * 1024)
     # After this many deliveries a command that keeps failing (transiently) is dead-lettered by the broker.
     delivery_limit: int = Field(default=10, ge=1, le=1000)
     pool_max_size: int = Field(default=10, ge=1, le=200)
@@ -33,7 +44,7 @@ class Settings(BaseSettings):
     # not starve the claims of workers on the same machines (bench/scaling.py).
     sweep_max_rate: float = Field(default=500.0, gt=0)
     # The deadline of a pause; 0 means pauses never expire.
-    pause_ttl_seconds: int = Field(default=86400, ge=0)
+    pause_ttl_seconds: int = Field(default=86400, ge=0, le=MAX_PAUSE_TTL_SECONDS)
     # The default max_steps of a run whose config leaves it unset.
     max_steps: int = Field(default=32, ge=1)
     shutdown_grace_seconds: float = Field(default=20.0, ge=0)

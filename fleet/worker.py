@@ -22,7 +22,7 @@ from aio_pika.abc import AbstractRobustConnection
 from intermission.agent.executor import Executor
 from intermission.agent.plugins import load_executor
 from intermission.consumers.handlers import CommandHandlers, WorkerHooks
-from intermission.consumers.policy import AckPolicy
+from intermission.consumers.policy import AckPolicy, CommandLimits
 from intermission.consumers.rejection import Rejecter
 from intermission.consumers.service import CommandConsumers
 from intermission.fleet import points
@@ -103,10 +103,12 @@ async def running_worker(
             ),
             Rejecter(topology.events, topology.dead),
             hand_over,
+            retry_seconds=settings.command_retry_seconds,
+            limits=CommandLimits(max_command_bytes=settings.max_command_bytes),
             after_commit=lambda: points.reach(points.AFTER_COMMIT),
             observe=metrics.command,
         )
-        consumers = CommandConsumers(policy, topology.queues)
+        consumers = CommandConsumers(policy, topology.queues, in_flight_limit=settings.commands_in_flight)
         relay_stop = asyncio.Event()
         metrics.serve(settings.metrics_port)
         await fleet.start()

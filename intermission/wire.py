@@ -23,13 +23,16 @@ Declarations are made on robust objects, so aio-pika replays them after a reconn
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
 from enum import StrEnum
 from typing import Any, Final
 
 import aio_pika
-from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue, FieldValue
 from pydantic import BaseModel
 
 from intermission.schemas.events import CommandRejected, RunEventKind
@@ -53,6 +56,9 @@ MAX_DETAIL_CHARS: Final = 1000
 
 # What an AMQP header table holds here: scalars only (the schema version, a traceparent, an error code).
 HeaderValue = str | int | bool | float
+
+# An AMQP short string (message_id, correlation_id, type) holds at most this many bytes of UTF-8.
+MAX_SHORT_STRING_BYTES: Final = 255
 
 # --- exchanges, queues, routing keys ------------------------------------------------------------------
 
@@ -161,16 +167,45 @@ def command_message(
     )
 
 
+def derived_id(prefix: str, source: str) -> str:
+    """``<prefix>:<source>``, an id made from another message's id, or ``<prefix>:sha256:<hex>`` when that
+    would not fit a short string. The source may already use all 255 bytes; its digest keeps the derived id
+    stable (a repeat deduplicates) and unique to it, and it always fits."""
+    plain = f"{prefix}:{source}"
+    if len(plain.encode()) <= MAX_SHORT_STRING_BYTES:
+        return plain
+    return f"{prefix}:sha256:{hashlib.sha256(source.encode()).hexdigest()}"
+
+
 def rejection_message(rejection: CommandRejected) -> aio_pika.Message:
     """The ``command.rejected`` event for a refused command. Its id is stable per refused message, so a
-    refusal repeated after a redelivery deduplicates."""
+    refusal repeated after a redelivery deduplicates; the refused message's id is its correlation id and
+    in its body, whole."""
     refused = rejection.message_id
     return message(
         rejection.model_dump_json(),
-        message_id=f"rejected:{refused}" if refused else None,
+        message_id=derived_id("rejected", refused) if refused else None,
         routing_key=rejected_key(rejection.scope),
         correlation_id=refused or None,
     )
+
+
+def wire_safe(value: object) -> FieldValue:
+    """A header value as the wire can carry it again. The AMQP client decodes a string header that is not
+    UTF-8 into ``bytes``, which it cannot encode back; such a value becomes a byte array (the same bytes,
+    type ``x``), nested tables and arrays are made safe the same way, and anything else the client has no
+    encoding for becomes its text."""
+    if value is None or isinstance(value, str | int | float | bool | bytearray):
+        return value
+    if isinstance(value, bytes):
+        return bytearray(value)
+    if isinstance(value, Mapping):
+        return {str(k): wire_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [wire_safe(v) for v in value]
+    if isinstance(value, Decimal | datetime):
+        return value
+    return str(value)
 
 
 def dead_copy(
@@ -193,7 +228,7 @@ def dead_copy(
         correlation_id=correlation_id,
         type=routing_key,
         headers={
-            **{k: v for k, v in headers.items() if isinstance(k, str)},
+            **{k: wire_safe(v) for k, v in headers.items() if isinstance(k, str)},
             ERROR_HEADER: code,
             DETAIL_HEADER: detail[:MAX_DETAIL_CHARS],
             ORIGINAL_KEY_HEADER: routing_key,
@@ -230,7 +265,7 @@ def replayed_command(
         message_id=message_id,
         correlation_id=correlation_id,
         type=routing_key,
-        headers={k: v for k, v in headers.items() if not k.startswith(REFUSAL_HEADER_PREFIXES)},
+        headers={k: wire_safe(v) for k, v in headers.items() if not k.startswith(REFUSAL_HEADER_PREFIXES)},
         user_id=user_id,
     )
 

@@ -9,6 +9,7 @@ from pydantic import AwareDatetime, Field
 from intermission.schemas.base import StrictModel
 from intermission.schemas.config import RunConfig
 from intermission.schemas.ids import AgentId, CheckpointId, RunId
+from intermission.schemas.limits import MAX_PAUSE_TTL_SECONDS
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import ClaimVersion
@@ -26,7 +27,7 @@ class StartCommand(StrictModel):
     # Feeds the scripted model.
     script: list[ScriptTurn] | None = None
     # None takes the settings' default; 0 means the run's pauses never expire.
-    pause_ttl_seconds: int | None = Field(default=None, ge=0)
+    pause_ttl_seconds: int | None = Field(default=None, ge=0, le=MAX_PAUSE_TTL_SECONDS)
     # The session the run loads history from and saves into; defaults to the run id (a session of its own).
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
 

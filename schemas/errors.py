@@ -39,9 +39,16 @@ class TransientError(IntermissionError):
 
 
 class StoreUnavailable(TransientError):
-    """The database could not be reached or refused to serialise this transaction."""
+    """The database could not be reached, is shutting down or failing over, or is out of resources."""
 
     code = "store_unavailable"
+
+
+class StoreContention(StoreUnavailable):
+    """The database is up but this transaction lost to another (a serialisation failure, a deadlock, a
+    lock it would not wait for): retry at once, and do not treat the database as away."""
+
+    code = "store_contention"
 
 
 # --- command and store refusals (docs/contracts.md) ---------------------------------------------

@@ -24,7 +24,7 @@ from pydantic import Field, ValidationError
 from intermission.schemas.base import Model, StrictModel
 from intermission.schemas.digest import digest
 from intermission.schemas.errors import InputTooLarge, InvalidArgument, UnsupportedSchemaVersion
-from intermission.schemas.ids import RUN_ID_PATTERN
+from intermission.schemas.ids import INT64_MAX, RUN_ID_PATTERN
 from intermission.schemas.run import Run
 from intermission.schemas.scope import Scope, require_scope
 from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, Suspension
@@ -87,10 +87,10 @@ def _check_version(version: Any) -> ClaimVersion:
     if not isinstance(run_id, str) or _RUN_ID.match(run_id) is None:
         raise InvalidArgument(f"run_id must match {RUN_ID_PATTERN}")
     sid = getattr(version, "suspension_id", None)
-    if not isinstance(sid, int) or isinstance(sid, bool) or sid < 1:
+    if not isinstance(sid, int) or isinstance(sid, bool) or not 1 <= sid <= INT64_MAX:
         raise InvalidArgument("suspension_id must be a positive integer")
     rev = getattr(version, "run_revision", None)
-    if not isinstance(rev, int) or isinstance(rev, bool) or rev < 0:
+    if not isinstance(rev, int) or isinstance(rev, bool) or not 0 <= rev <= INT64_MAX:
         raise InvalidArgument("run_revision must be a non-negative integer")
     return version
 
@@ -257,7 +257,7 @@ class ResumeClosureRequest(StrictModel):
         _check_digest("start_digest", getattr(self, "start_digest", None))
         _check_digest("proof_digest", getattr(self, "proof_digest", None))
         rev = getattr(self, "run_revision", None)
-        if not isinstance(rev, int) or isinstance(rev, bool) or rev < 0:
+        if not isinstance(rev, int) or isinstance(rev, bool) or not 0 <= rev <= INT64_MAX:
             raise InvalidArgument("run_revision must be a non-negative integer")
         for name in ("actor", "issuer", "issuer_revision", "proof_ref"):
             _check_text(name, getattr(self, name, None))

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from intermission.schemas.base import Model
 from intermission.schemas.config import ExecutionProvenance, RunConfig
-from intermission.schemas.ids import CheckpointId, RunId, SuspensionId
+from intermission.schemas.ids import CheckpointId, Revision, RunId, SuspensionId
 from intermission.schemas.llm import Message, ToolOutcome, ToolResult, Usage
 from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
@@ -43,7 +43,7 @@ class ClaimVersion(Model):
 
     run_id: RunId
     suspension_id: SuspensionId
-    run_revision: int
+    run_revision: Revision
 
 
 class PendingCall(Model):
@@ -182,7 +182,7 @@ class Notice(Model):
 
     suspension_id: SuspensionId
     run_id: RunId
-    run_revision: int
+    run_revision: Revision
     reason: SuspendReason
     pending: list[PendingCall]
     # The deadline; None when the pause has none.

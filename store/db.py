@@ -16,26 +16,26 @@ from typing import Any
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from intermission.schemas.errors import IntermissionError, InvalidArgument, InvalidState, StoreUnavailable
+from intermission.schemas.errors import (
+    IntermissionError,
+    InvalidArgument,
+    InvalidState,
+    StoreContention,
+    StoreUnavailable,
+)
 from intermission.store.queries import OUTBOX_WRITERS, QUERIES
 
-# SQLSTATEs a retry may cure: serialisation failures and deadlocks, and the server going away.
-_TRANSIENT_SQLSTATES = frozenset(
-    {
-        "40001",  # serialization_failure
-        "40P01",  # deadlock_detected
-        "55P03",  # lock_not_available
-        "57P01",  # admin_shutdown (pg_terminate_backend, a stopping server)
-        "57P02",  # crash_shutdown
-        "57P03",  # cannot_connect_now
-        "53300",  # too_many_connections
-        "08000",
-        "08003",
-        "08006",
-        "08001",
-        "08004",
-    }
-)
+# SQLSTATEs a retry may cure. By class: 08 (connection exception) and 53 (insufficient resources: too many
+# connections, out of memory or disk). By code: the server going away or refusing connections while it
+# starts, stops or recovers (57P01 admin_shutdown, 57P02 crash_shutdown, 57P03 cannot_connect_now); a
+# statement cancelled by an operator or a timeout (57014), which a fresh transaction may well finish; and a
+# read-only transaction (25006), which is what a connection to a former primary sees after a failover until
+# the pool reconnects to the new one.
+_UNAVAILABLE_CLASSES = ("08", "53")
+_UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "57014", "25006"})
+# The database is up but this transaction lost to another one: serialization_failure, deadlock_detected,
+# lock_not_available.
+_CONTENTION_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
 
 
 # Raised by a transition function (store/migrations/0005_transitions.sql) that found a state it refuses to
@@ -56,9 +56,16 @@ class StoreError(IntermissionError):
     code = "store_error"
 
 
+def is_contention(exc: BaseException) -> bool:
+    return isinstance(exc, asyncpg.PostgresError) and exc.sqlstate in _CONTENTION_SQLSTATES
+
+
 def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, asyncpg.PostgresError):
-        return exc.sqlstate in _TRANSIENT_SQLSTATES
+        state = exc.sqlstate or ""
+        return (
+            state.startswith(_UNAVAILABLE_CLASSES) or state in _UNAVAILABLE_SQLSTATES or state in _CONTENTION_SQLSTATES
+        )
     # InternalClientError: a pooled connection whose backend was terminated can be handed out while its
     # protocol still consumes the server's error ("cannot switch to state ..."); another connection cures it.
     return isinstance(
@@ -79,6 +86,8 @@ def translated() -> Iterator[None]:
     except IntermissionError:
         raise
     except (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError, TimeoutError) as exc:
+        if is_contention(exc):
+            raise StoreContention(f"transaction lost to another: {type(exc).__name__}") from exc
         if is_transient(exc):
             raise StoreUnavailable(f"database unavailable: {type(exc).__name__}") from exc
         if getattr(exc, "sqlstate", None) in _BAD_TEXT_SQLSTATES:

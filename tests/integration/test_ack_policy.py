@@ -1,6 +1,7 @@
-"""The ack policy's transient path on the real broker: a passing failure is retried with backoff and then
-applied once; a failure that outlasts the retries goes back to its queue, and the quorum queue's delivery
-limit dead-letters a command that keeps failing.
+"""The ack policy's transient path on the real broker: a passing failure is retried with backoff, holding
+the delivery, and then applied once; while it lasts no other command is attempted; a failure that outlasts
+the retry window goes back to its queue, and the quorum queue's delivery limit dead-letters a command that
+keeps failing.
 
 The handler here fails on purpose (the database cannot be made to fail exactly N times on cue); what is
 under test is what the policy and RabbitMQ do with such failures.
@@ -8,6 +9,7 @@ under test is what the policy and RabbitMQ do with such failures.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import aio_pika
@@ -28,9 +30,10 @@ from tests.support.waiting import eventually
 
 
 class FlakyHandlers(CommandHandlers):
-    """Fails with a transient error the first ``failures`` times it is asked, then applies nothing."""
+    """Fails with a transient error the first ``failures`` times it is asked (or, with ``until``, until that
+    event is set), then applies nothing. Records the message ids it was asked to apply, in order."""
 
-    def __init__(self, stores: Stores, failures: int) -> None:
+    def __init__(self, stores: Stores, failures: int, until: asyncio.Event | None = None) -> None:
         super().__init__(
             stores,
             WorkerHooks(
@@ -40,22 +43,38 @@ class FlakyHandlers(CommandHandlers):
             ),
         )
         self.failures = failures
+        self.until = until
         self.calls = 0
+        self.asked: list[str] = []
 
     async def apply(self, command: Command, delivery: Delivery, message_id: str) -> Claimed | None:
         self.calls += 1
+        self.asked.append(message_id)
+        if self.until is not None and not self.until.is_set():
+            raise StoreUnavailable("the database went away")
         if self.calls <= self.failures:
             raise StoreUnavailable("the database went away")
         return None
 
 
 async def consume_with(
-    stores: Stores, connection: AbstractRobustConnection, handlers: FlakyHandlers, attempts: int
+    stores: Stores,
+    connection: AbstractRobustConnection,
+    handlers: FlakyHandlers,
+    retry_seconds: float,
+    *,
+    prefetch: int = 1,
 ) -> CommandConsumers:
     channel = await connection.channel(publisher_confirms=True)
-    await channel.set_qos(prefetch_count=1)
+    await channel.set_qos(prefetch_count=prefetch)
     topology = await declare(channel, delivery_limit=DELIVERY_LIMIT)
-    policy = AckPolicy(handlers, Rejecter(topology.events, topology.dead), lambda _: None, attempts=attempts)
+    policy = AckPolicy(
+        handlers,
+        Rejecter(topology.events, topology.dead),
+        lambda _: None,
+        retry_seconds=retry_seconds,
+        max_backoff_seconds=0.2,
+    )
     consumers = CommandConsumers(policy, {Command.CANCEL: topology.queues[Command.CANCEL]})
     await consumers.start()
     return consumers
@@ -83,7 +102,7 @@ async def test_a_passing_failure_is_retried_then_applied_once(
     dead = await capture(amqp_url, DEAD_EXCHANGE, "")
     handlers = FlakyHandlers(stores, failures=2)
     connection = await amqp_connect(amqp_url, "policy")
-    consumers = await consume_with(stores, connection, handlers, attempts=5)
+    consumers = await consume_with(stores, connection, handlers, retry_seconds=30)
     await send_cancel(connection)
 
     async def done() -> bool:
@@ -101,14 +120,49 @@ async def test_a_command_that_keeps_failing_is_dead_lettered_by_the_delivery_lim
     dead = await capture(amqp_url, DEAD_EXCHANGE, "")
     handlers = FlakyHandlers(stores, failures=10_000)
     connection = await amqp_connect(amqp_url, "policy")
-    consumers = await consume_with(stores, connection, handlers, attempts=2)
+    consumers = await consume_with(stores, connection, handlers, retry_seconds=0.3)
     message_id = await send_cancel(connection)
     (letter,) = await dead.wait_count(1, within=60)
     await consumers.stop(grace=5)
     assert letter.message_id == message_id
     deaths = letter.headers["x-death"]
     assert deaths[0]["reason"] == "delivery_limit"  # the broker's limit, not a refusal of ours
-    # Every delivery was retried (two attempts with backoff) before it went back to the queue, and the
-    # broker gave up only after the limit.
-    assert handlers.calls % 2 == 0
-    assert handlers.calls // 2 >= DELIVERY_LIMIT, handlers.calls
+    # Each delivery was retried within its window before it went back to the queue, and the broker gave up
+    # only after the limit.
+    assert handlers.calls > DELIVERY_LIMIT, handlers.calls
+
+
+async def test_an_outage_holds_the_delivery_and_starts_no_other_command_until_it_is_over(
+    stores: Stores, amqp_url: str, amqp_connect: ConnectionFactory, capture: CaptureFactory
+) -> None:
+    dead = await capture(amqp_url, DEAD_EXCHANGE, "")
+    over = asyncio.Event()
+    handlers = FlakyHandlers(stores, failures=0, until=over)
+    connection = await amqp_connect(amqp_url, "policy")
+    consumers = await consume_with(stores, connection, handlers, retry_seconds=60, prefetch=4)
+    first = await send_cancel(connection)
+
+    async def failing_for_a_while() -> bool:
+        return handlers.calls >= 5
+
+    await eventually(failing_for_a_while, what="the first command retried during the outage")
+    later = [await send_cancel(connection) for _ in range(3)]
+
+    async def later_ones_delivered() -> bool:
+        return consumers.in_flight == 4
+
+    await eventually(later_ones_delivered, what="the later commands delivered to the worker")
+    calls_during = handlers.calls
+    await eventually(lambda: asyncio.sleep(0, result=handlers.calls >= calls_during + 3), what="more retries")
+    # While the database is away, only the held command is retried; the others wait untried.
+    assert set(handlers.asked) == {first}
+    over.set()
+
+    async def all_applied() -> bool:
+        return consumers.in_flight == 0 and set(handlers.asked) == {first, *later}
+
+    await eventually(all_applied, what="every command applied once the outage ended")
+    await consumers.stop(grace=5)
+    # Each later command needed one attempt; nothing was dead-lettered or requeued.
+    assert [handlers.asked.count(m) for m in later] == [1, 1, 1]
+    assert dead.messages == []

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from intermission.consumers.parsing import Delivery, check_envelope, parse_body
+from intermission.consumers.parsing import (
+    MAX_JSON_DEPTH,
+    Delivery,
+    check_body_limits,
+    check_envelope,
+    json_depth,
+    parse_body,
+)
 from intermission.schemas.commands import ResumeCommand
 from intermission.schemas.errors import IntermissionError, InvalidMessage, InvalidScope, UnsupportedSchemaVersion
 
@@ -27,7 +34,8 @@ def delivery(message_id: str | None = "m-1", headers: dict[str, object] | None =
     [
         (delivery(message_id=None), InvalidMessage),
         (delivery(message_id=""), InvalidMessage),
-        (delivery(message_id="x" * 257), InvalidMessage),
+        (delivery(message_id="x" * 256), InvalidMessage),
+        (delivery(message_id="é" * 128), InvalidMessage),  # 256 bytes of UTF-8
         (delivery(headers={}), UnsupportedSchemaVersion),
         (delivery(headers={"x-schema-version": 2}), UnsupportedSchemaVersion),
         (delivery(headers={"x-schema-version": True}), UnsupportedSchemaVersion),
@@ -56,3 +64,33 @@ def test_a_good_envelope_passes() -> None:
 def test_bad_bodies_are_refused(body: bytes, error: type[IntermissionError]) -> None:
     with pytest.raises(error):
         parse_body(ResumeCommand, body)
+
+
+@pytest.mark.parametrize(
+    ("body", "depth"),
+    [
+        (b"{}", 1),
+        (b'{"a": [1, {"b": []}]}', 4),
+        (b'{"a": "[[[[[[ not brackets ]"}', 1),
+        (b'{"a": "an \\" escaped quote [[["}', 1),
+        (b"[" * 5000 + b"]" * 5000, 5000),
+        (b"", 0),
+        (b"{not json", 1),
+    ],
+)
+def test_json_depth_counts_nesting_outside_strings(body: bytes, depth: int) -> None:
+    assert json_depth(body) == depth
+
+
+def test_body_limits_are_checked_before_parsing() -> None:
+    check_body_limits(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH, 1024)
+    with pytest.raises(InvalidMessage, match="deeper"):
+        check_body_limits(b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1), 1024)
+    check_body_limits(b'"' + b"x" * 1022 + b'"', 1024)
+    with pytest.raises(InvalidMessage, match="over this command's limit of 1024"):
+        check_body_limits(b'"' + b"x" * 1023 + b'"', 1024)
+
+
+def test_message_ids_with_control_characters_are_refused() -> None:
+    with pytest.raises(InvalidMessage, match="control"):
+        check_envelope(delivery(message_id="a\x00b"))
