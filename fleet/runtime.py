@@ -20,20 +20,29 @@ from intermission.agent.executor import Executor, RunContext, RunHandle, StopAtB
 from intermission.fleet.identity import incarnation
 from intermission.fleet.lease import LeaseKeeper
 from intermission.fleet.settings import Settings
+from intermission.fleet.supervisor import Supervisor
 from intermission.ops.metrics import WorkerMetrics
 from intermission.schemas.errors import (
     IntermissionError,
+    InvalidContinuation,
+    PermanentError,
     ResumeAdmissionNotFound,
     RunLeaseLost,
     SuspensionExpired,
     TransientError,
 )
+from intermission.schemas.events import RunEventKind
 from intermission.schemas.run import Lease, Run
+from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, Ending, EndingKind, Progress
 from intermission.store import Stores
+from intermission.store.across_scopes import Unreadable
 from intermission.store.commands import Claimed
+from intermission.store.runs import Reclaimed
 
 log = logging.getLogger("intermission.fleet")
+
+RECLAIM_TASK = "reclaim-sweep"
 
 
 class Fleet:
@@ -45,6 +54,7 @@ class Fleet:
         *,
         owner: str | None = None,
         metrics: WorkerMetrics | None = None,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self.stores = stores
         self.metrics = metrics or WorkerMetrics()
@@ -56,7 +66,8 @@ class Fleet:
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._reclaimer: asyncio.Task[None] | None = None
+        # The worker's supervisor, or one of the fleet's own when it runs alone (tests, tools).
+        self.supervisor = supervisor or Supervisor()
 
     # --- work in -----------------------------------------------------------------------------------
 
@@ -169,25 +180,60 @@ class Fleet:
     # --- reclaim -----------------------------------------------------------------------------------
 
     async def reclaim_once(self) -> int:
-        """Take over up to a batch of runs whose lease lapsed, and continue each from its snapshot."""
+        """Take over up to a batch of runs whose lease lapsed, and continue each from its snapshot.
+
+        Each run is handled on its own: one that cannot be continued never stops the others. A run whose
+        row or snapshot does not decode, or whose admitted start cannot be granted, is ended ``failed``
+        (quarantined): retrying it would fail the same way on every sweep of every worker. One that fails
+        for a passing reason is left to its lease, which lapses, and a later sweep takes it again."""
         if self.stopping:
             return 0
         taken = await self.stores.across_scopes.reclaim_lapsed(self.lease(), self.settings.reclaim_batch)
-        for reclaimed in taken:
-            run = reclaimed.run
-            progress = reclaimed.progress
-            if progress is None:
-                # Claimed without a snapshot (the original's plain claim): continue from the pause if it is
-                # still there, else from the run's start.
-                cont = Continuation(config=run.config, session_id=run.session_id)
-                with contextlib.suppress(IntermissionError):
-                    cont = (await self.stores.at(run.scope).suspensions.get_suspension(run.id)).continuation
-                progress = Progress(run_id=run.id, scope=run.scope, owner=self.owner, continuation=cont)
-            progress = await self._grant_admitted_start(run, progress)
-            log.info("reclaimed a run", extra={"action": "run_reclaimed", "run_id": run.id, "scope": str(run.scope)})
-            self.metrics.reclaimed.inc()
-            self.submit(Claimed(run=run, progress=progress, suspension=None, correlation_id=None))
+        for one in taken:
+            extra = {"run_id": one.run_id if isinstance(one, Unreadable) else one.run.id}
+            try:
+                if isinstance(one, Unreadable):
+                    await self._quarantine(one.run_id, one.scope, InvalidContinuation(one.detail))
+                else:
+                    await self._continue_reclaimed(one)
+            except TransientError as exc:
+                log.warning(
+                    "could not continue a reclaimed run; its lease will lapse and it is taken again",
+                    extra={"action": "reclaim_run_retry", "error": exc.code, **extra},
+                )
+            except Exception:
+                log.exception("could not continue a reclaimed run", extra={"action": "reclaim_run_error", **extra})
         return len(taken)
+
+    async def _continue_reclaimed(self, reclaimed: Reclaimed) -> None:
+        run = reclaimed.run
+        progress = reclaimed.progress
+        if progress is None:
+            # Claimed without a snapshot (the original's plain claim): continue from the pause if it is
+            # still there, else from the run's start.
+            cont = Continuation(config=run.config, session_id=run.session_id)
+            with contextlib.suppress(IntermissionError):
+                cont = (await self.stores.at(run.scope).suspensions.get_suspension(run.id)).continuation
+            progress = Progress(run_id=run.id, scope=run.scope, owner=self.owner, continuation=cont)
+        try:
+            progress = await self._grant_admitted_start(run, progress)
+        except PermanentError as exc:
+            await self._quarantine(run.id, run.scope, exc)
+            return
+        log.info("reclaimed a run", extra={"action": "run_reclaimed", "run_id": run.id, "scope": str(run.scope)})
+        self.metrics.reclaimed.inc()
+        self.submit(Claimed(run=run, progress=progress, suspension=None, correlation_id=None))
+
+    async def _quarantine(self, run_id: str, scope: Scope, error: IntermissionError) -> None:
+        """End a run that can never be continued ``failed``, with its code, under the lease just taken."""
+        log.error(
+            "a reclaimed run cannot be continued; ending it failed",
+            extra={"action": "run_quarantined", "run_id": run_id, "code": error.code, "detail": error.detail},
+        )
+        await self.stores.at(scope).runs.end_run(
+            run_id, self.owner, RunEventKind.FAILED, error=f"{error.code}: {error.detail}"
+        )
+        self.metrics.quarantined.inc()
 
     async def _grant_admitted_start(self, run: Run, progress: Progress) -> Progress:
         """A run whose agent reply was admitted but never started (its admitter died in between) may only
@@ -214,6 +260,8 @@ class Fleet:
         return progress
 
     async def _reclaim_forever(self) -> None:
+        """The reclaim sweep, supervised: passing failures are retried at the next interval here; anything
+        else ends this call and the supervisor logs it and starts the sweep again."""
         while not self.stopping:
             try:
                 await self.reclaim_once()
@@ -224,9 +272,14 @@ class Fleet:
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
+    @property
+    def reclaiming(self) -> bool:
+        """Whether the reclaim sweep runs (it stops only with the fleet, or when its supervisor gave up)."""
+        return self.supervisor.running(RECLAIM_TASK)
+
     async def start(self) -> None:
-        if self._reclaimer is None:
-            self._reclaimer = asyncio.create_task(self._reclaim_forever(), name="reclaim-sweep")
+        if not self.supervisor.running(RECLAIM_TASK):
+            self.supervisor.start(RECLAIM_TASK, self._reclaim_forever)
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
@@ -249,11 +302,7 @@ class Fleet:
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking work, let runs stop at their next boundary within ``grace``, cancel the rest."""
         self._stopping.set()
-        if self._reclaimer is not None:
-            self._reclaimer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reclaimer
-            self._reclaimer = None
+        await self.supervisor.cancel(RECLAIM_TASK)
         pending = list(self._tasks.values())
         if not pending:
             return

@@ -29,6 +29,7 @@ from intermission.fleet import points
 from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.signals import stop_on_signals
+from intermission.fleet.supervisor import SupervisedTaskFailed, Supervisor
 from intermission.ops.metrics import WorkerMetrics
 from intermission.publishers.amqp import connect
 from intermission.publishers.relay import OutboxRelay
@@ -38,6 +39,9 @@ from intermission.store.commands import Claimed, RunDefaults
 from intermission.wire import Topology, declare
 
 log = logging.getLogger("intermission.worker")
+
+RELAY_TASK = "outbox-relay"
+SWEEPER_TASK = "expiry-sweeper"
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Worker:
     fleet: Fleet
     consumers: CommandConsumers
     relay: OutboxRelay
+    supervisor: Supervisor
 
     async def drain(self) -> None:
         """Return when nothing is left to do here: no run in flight, nothing to reclaim, the outbox sent."""
@@ -71,7 +76,10 @@ async def running_worker(
         # relayed: this process's commits wake its own relay in-process and notify nobody (store/db.py).
         stores = await Stores.connect(settings.database_url, max_size=settings.pool_max_size, relayed=True)
     metrics = WorkerMetrics()
-    fleet = Fleet(stores, settings, executor or load_executor(settings.executor), metrics=metrics)
+    supervisor = Supervisor(on_restart=lambda task: metrics.task_restarts.labels(task).inc())
+    fleet = Fleet(
+        stores, settings, executor or load_executor(settings.executor), metrics=metrics, supervisor=supervisor
+    )
     connection = await connect(settings.amqp_url, f"intermission-worker {fleet.owner}")
     try:
         channel = await connection.channel(publisher_confirms=True)
@@ -112,9 +120,9 @@ async def running_worker(
         relay_stop = asyncio.Event()
         metrics.serve(settings.metrics_port)
         await fleet.start()
-        relaying = asyncio.create_task(relay.serve(relay_stop), name="outbox-relay")
+        supervisor.start(RELAY_TASK, lambda: relay.serve(relay_stop))
         await consumers.start()
-        worker = Worker(settings, stores, connection, topology, fleet, consumers, relay)
+        worker = Worker(settings, stores, connection, topology, fleet, consumers, relay, supervisor)
         log.info("worker started", extra={"action": "worker_started", "owner": fleet.owner})
         try:
             yield worker
@@ -123,8 +131,7 @@ async def running_worker(
             await consumers.stop(settings.shutdown_grace_seconds)
             await fleet.stop()
             relay_stop.set()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(relaying, settings.shutdown_grace_seconds)
+            await supervisor.stop(settings.shutdown_grace_seconds)
             stop_waking()
             await relay.close()
             with contextlib.suppress(Exception):
@@ -138,12 +145,27 @@ async def running_worker(
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    """Run a worker until SIGTERM/SIGINT (or ``stop``)."""
+    """Run a worker until SIGTERM/SIGINT (or ``stop``), or until one of its background tasks keeps failing:
+    then it stops gracefully all the same and raises ``SupervisedTaskFailed`` (the CLI exits 1)."""
     stop = stop or asyncio.Event()
     with stop_on_signals(stop):
-        async with running_worker(settings):
+        async with running_worker(settings) as worker:
             settle_garbage_collector()
-            await stop.wait()
+            failure = await until_stopped(stop, worker.supervisor)
+    if failure is not None:
+        raise failure
+
+
+async def until_stopped(stop: asyncio.Event, supervisor: Supervisor) -> SupervisedTaskFailed | None:
+    """Wait for ``stop`` or for the supervisor to give up; the latter's reason, if it did."""
+    stopped = asyncio.create_task(stop.wait())
+    gave_up = asyncio.create_task(supervisor.wait_given_up())
+    try:
+        await asyncio.wait({stopped, gave_up}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        gave_up.cancel()
+    return supervisor.failure
 
 
 # Allocations between two young-generation collections (CPython's default is 700).
@@ -181,10 +203,16 @@ async def sweep(settings: Settings, stop: asyncio.Event | None = None) -> None:
             batch=settings.sweep_batch,
             max_rate=settings.sweep_max_rate,
         )
+        supervisor = Supervisor()
         with stop_on_signals(stop):
             log.info("sweeper started", extra={"action": "sweeper_started"})
-            await sweeper.serve(stop)
+            supervisor.start(SWEEPER_TASK, lambda: sweeper.serve(stop))
+            failure = await until_stopped(stop, supervisor)
+            stop.set()
+            await supervisor.stop(settings.shutdown_grace_seconds)
         await sweeper.close()
+        if failure is not None:
+            raise failure
     finally:
         with contextlib.suppress(Exception):
             await connection.close()

@@ -17,7 +17,8 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         self.commands = Counter(
             "intermission_commands_total",
-            "Commands handled, by command, outcome (applied, duplicate, stale, rejected, requeued) and code.",
+            "Commands handled, by command, outcome (applied, duplicate, stale, rejected, requeued, dead_lettered)"
+            " and code.",
             ["command", "outcome", "code"],
             registry=self.registry,
         )
@@ -30,6 +31,17 @@ class WorkerMetrics:
         self.reclaimed = Counter(
             "intermission_runs_reclaimed_total",
             "Runs this worker took over after their lease lapsed.",
+            registry=self.registry,
+        )
+        self.quarantined = Counter(
+            "intermission_runs_quarantined_total",
+            "Runs taken over that could not be continued (a row that does not decode) and were ended failed.",
+            registry=self.registry,
+        )
+        self.task_restarts = Counter(
+            "intermission_task_restarts_total",
+            "Background tasks (relay, reclaim sweep, lease keeper, sweeper) restarted after an unexpected error.",
+            ["task"],
             registry=self.registry,
         )
         self.running = Gauge("intermission_runs_running", "Runs executing in this worker now.", registry=self.registry)

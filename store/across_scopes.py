@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
 
-from intermission.schemas.errors import InvalidArgument
+from intermission.schemas.errors import InvalidArgument, InvalidContinuation
 from intermission.schemas.run import Lease, Run, RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Suspension
@@ -84,6 +84,16 @@ class OutboxBatch:
 
 
 @dataclass(frozen=True)
+class Unreadable:
+    """A run taken over whose stored row or snapshot does not decode: it can never be continued."""
+
+    run_id: str
+    # As stored, unvalidated: the end that quarantines the run is written under it.
+    scope: Scope
+    detail: str
+
+
+@dataclass(frozen=True)
 class RunningCount:
     running: int
     leased: int
@@ -137,13 +147,17 @@ class AcrossScopes:
 
     # --- the reclaim sweep -------------------------------------------------------------------------
 
-    async def reclaim_lapsed(self, lease: Lease, limit: int) -> list[Reclaimed]:
+    async def reclaim_lapsed(self, lease: Lease, limit: int) -> list[Reclaimed | Unreadable]:
         """Take up to ``limit`` running runs of any scope whose lease lapsed, each under ``lease`` with
-        its progress handed over, skipping runs another worker is taking right now."""
+        its progress handed over, skipping runs another worker is taking right now.
+
+        Each run is decoded on its own, after the takeover commits: a run or snapshot that cannot be read
+        comes back as ``Unreadable`` (held by ``lease`` now, for the caller to end) and the rest of the
+        batch as usual. Decoding inside the transaction would let one bad row roll back the whole batch on
+        every sweep of every worker, and since it sorts first each time, no lapsed run would ever move."""
         check_lease(lease)
         if limit < 1:
             raise InvalidArgument("limit must be at least 1")
-        # Decoded inside the taking transaction: a snapshot that cannot be read rolls the takeover back.
         async with self.db.transaction() as con:
             taken = await con.fetch(
                 "take_over",
@@ -159,11 +173,22 @@ class AcrossScopes:
                 first_ending=None,
                 first_approved=None,
             )
-            reclaimed = []
-            for r in taken:
+        reclaimed: list[Reclaimed | Unreadable] = []
+        for r in taken:
+            try:
                 run = rows.run_from_row(r["run"])
                 reclaimed.append(Reclaimed(run, rows.taken_progress(r["progress"], run)))
-            return reclaimed
+            except (InvalidContinuation, ValueError) as exc:  # ValueError: pydantic's, and an unknown state's
+                raw = r["run"]
+                scope = Scope.model_construct(app=raw["app"], tenant=raw["tenant"])
+                # Never the value itself: a stored row may hold what must not reach a log or an event.
+                detail = (
+                    exc.detail
+                    if isinstance(exc, InvalidContinuation)
+                    else f"stored run is malformed ({type(exc).__name__})"
+                )
+                reclaimed.append(Unreadable(run_id=raw["id"], scope=scope, detail=detail[:500]))
+        return reclaimed
 
     # --- the outbox relay --------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from intermission.store.runs import Pause, Reclaimed
 from intermission.store.suspensions import ClaimedPause
 from tests.conftest import MakeStores, race
 from tests.support.factories import PausedRun, continuation, lease, paused_run, running_run
+from tests.support.fleet import readable
 from tests.support.inspect import (
     FAR_FUTURE,
     Inspector,
@@ -349,7 +350,7 @@ async def reclaim_round(stores: Stores, sessions: list[Stores], db: Inspector, s
                 .at(scope)
                 .runs.claim_continuation_leased(run.id, leases[i], snapshot_for(run.id, leases[i].owner, step=3))
             )
-        return await sessions[i].across_scopes.reclaim_lapsed(leases[i], 8)
+        return readable(await sessions[i].across_scopes.reclaim_lapsed(leases[i], 8))
 
     results = await race(CONTENDERS, take)
 

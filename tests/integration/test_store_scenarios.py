@@ -43,6 +43,7 @@ from intermission.store.runs import Pause
 from intermission.store.suspensions import ClaimedPause
 from tests.conftest import MakeStores, race
 from tests.support.factories import PausedRun, continuation, lease, paused_run, running_run
+from tests.support.fleet import readable
 from tests.support.inspect import (
     FAR_FUTURE,
     Inspector,
@@ -647,7 +648,7 @@ async def test_scenario_43_worker_dies_after_a_leased_claim_and_the_sweep_reclai
     await db.wait_lease_lapsed(p.run.id)
 
     sweep = lease()
-    taken = await stores.across_scopes.reclaim_lapsed(sweep, 10)
+    taken = readable(await stores.across_scopes.reclaim_lapsed(sweep, 10))
 
     assert [t.run.id for t in taken] == [p.run.id]
     assert taken[0].run.lease_owner == sweep.owner
@@ -703,7 +704,7 @@ async def test_scenario_45_a_reclaimed_cancel_ending_ends_the_run_cancelled(
     await db.wait_lease_lapsed(p.run.id)
 
     heir = lease()
-    (taken,) = await stores.across_scopes.reclaim_lapsed(heir, 10)
+    (taken,) = readable(await stores.across_scopes.reclaim_lapsed(heir, 10))
     assert taken.progress is not None
     assert taken.progress.ending == Ending(kind=EndingKind.CANCEL)
     await stores.at(scope).runs.end_run(p.run.id, heir.owner, RunEventKind.CANCELLED)

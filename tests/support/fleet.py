@@ -17,6 +17,8 @@ from intermission.schemas.run import Run
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.store import Stores
+from intermission.store.across_scopes import Unreadable
+from intermission.store.runs import Reclaimed
 from tests.support.control import LocalControl
 
 DRAIN_TIMEOUT = 30.0
@@ -88,3 +90,10 @@ async def charges(stores: Stores, run_id: str) -> dict[str, int]:
 async def suspension_count(stores: Stores, run_id: str) -> int:
     async with stores.db.connection() as con:
         return int(await con.raw.fetchval("SELECT count(*) FROM suspensions WHERE run_id = $1", run_id))
+
+
+def readable(taken: list[Reclaimed | Unreadable]) -> list[Reclaimed]:
+    """A reclaim batch in which every run decoded (a test that corrupts no row expects exactly that)."""
+    unreadable = [t for t in taken if isinstance(t, Unreadable)]
+    assert not unreadable, unreadable
+    return [t for t in taken if isinstance(t, Reclaimed)]
