@@ -50,6 +50,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, Notice, SuspendReason
 from intermission.wire import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
+from tests.support.hostile import RawText, nested, padded_id
 
 log = logging.getLogger("soak.actors")
 
@@ -85,6 +86,15 @@ MALFORMED_VARIANTS = (
     "no_schema_version",
     "wrong_schema_version",
     "json_array",
+)
+# What a foreign or broken client can send that once left a delivery unsettled, or let a command fail in
+# the database instead of being refused: each must come back refused with its code.
+HOSTILE_VARIANTS = (
+    "nested_deep",
+    "long_message_id",
+    "header_not_utf8",
+    "revision_past_64_bits",
+    "nan_in_arguments",
 )
 
 Client = HostClient | BusClient
@@ -796,6 +806,24 @@ class Simulator:
             # (A message without an id cannot be sent from here: aiormq gives it a random one; nor can an id
             # over 255 bytes: AMQP carries it as a short string.)
             body = json.dumps([resume]).encode()
+        elif variant == "nested_deep":
+            body = nested(5000)
+            codes = frozenset({"invalid_message"})
+        elif variant == "long_message_id":
+            mid = padded_id(mid)
+            body = b"{not json"
+        elif variant == "header_not_utf8":
+            headers = {**headers, "x-note": RawText(b"\xff\xfe not utf-8")}
+            body = json.dumps(resume).encode()
+            codes = frozenset({"not_suspended"})
+        elif variant == "revision_past_64_bits":
+            past = {"run_id": ghost, "suspension_id": 1, "run_revision": 2**63}
+            body = json.dumps({**resume, "version": past}).encode()
+        elif variant == "nan_in_arguments":
+            key = Command.START
+            start = {"scope": scope.model_dump(), "run_id": ghost, "agent_id": "demo", "input": ""}
+            call = {"call": [{"tool": "lookup", "arguments": {"query": 0}}]}
+            body = json.dumps({**start, "script": [call]}).replace('"query": 0', '"query": NaN').encode()
         elif variant == "oversized_body":
             key = Command.START
             head = json.dumps({"scope": scope.model_dump(), "run_id": ghost, "agent_id": "demo", "input": ""})
@@ -806,9 +834,15 @@ class Simulator:
             mid=mid,
             key=key,
             run_id=ghost,
-            scope=scope if variant not in ("not_json", "bad_scope") else None,
+            scope=scope if variant not in ("not_json", "bad_scope", "nested_deep", "long_message_id") else None,
             sender="raw",
-            purpose="oversized_command" if variant == "oversized_body" else "malformed_command",
+            purpose=(
+                "oversized_command"
+                if variant == "oversized_body"
+                else "hostile_message"
+                if variant in HOSTILE_VARIANTS
+                else "malformed_command"
+            ),
             expect=Expect.REJECT,
             codes=codes,
         )

@@ -3,11 +3,12 @@
 - Infrastructure faults, drawn from shuffled decks so every kind comes up in every profile: SIGKILL and
   SIGTERM of a worker (a new one is started each time), an extra worker started with
   ``INTERMISSION_CRASH_AT`` at one of the worker's crash points (it kills itself there), terminating the
-  soak database's backends, and (one per deck, alternately) a RabbitMQ ``stop_app``/``start_app`` or a
-  PostgreSQL stop/start.
-- Command faults: malformed and oversized commands, an unknown run, duplicates and reordered commands,
-  answers at a foreign scope, replies from users who are not the bus, decisions from non-approvers,
-  answers of the wrong kind, mismatched results, re-used message ids, starts over ended runs and cancels
+  soak database's backends, and (one per deck, in turn) a RabbitMQ ``stop_app``/``start_app``, a
+  PostgreSQL stop/start of 30 s (a managed failover's length) or a short one.
+- Command faults: malformed, hostile (nested 5,000 deep, a 250-byte message id, a header that is not
+  UTF-8, numbers past what the database holds) and oversized commands, an unknown run, duplicates and
+  reordered commands, answers at a foreign scope, replies from users who are not the bus, decisions from
+  non-approvers, answers of the wrong kind, mismatched results, re-used message ids, starts over ended runs and cancels
   of ended runs. Those that need a live pause or an ended run are posted as wishes to the actors.
 """
 
@@ -20,7 +21,7 @@ import random
 import signal
 import time
 
-from bench.soak.actors import MALFORMED_VARIANTS, Simulator
+from bench.soak.actors import HOSTILE_VARIANTS, MALFORMED_VARIANTS, Simulator
 from bench.soak.ledger import Ledger
 from bench.soak.procs import ProcessPool
 from bench.soak.profile import Profile
@@ -37,11 +38,14 @@ LIGHT = (
     "worker_crash_point",
     "pg_terminate_backends",
 )
-HEAVY = ("rabbitmq_restart", "pg_restart")
+# One per deck, in turn. The long outage is as long as a managed database's failover (30 s): commands that
+# arrive meanwhile must be held and applied once it is back, never dead-lettered.
+HEAVY = ("rabbitmq_restart", "pg_outage_long", "pg_restart")
 # The crash points a worker process reaches (after_claim is the in-process control's, not the consumers').
 CRASH_POINTS = (points.AFTER_COMMIT, points.AFTER_STARTED, points.BETWEEN_STEPS, points.AFTER_PAUSE)
 COMMAND_DECK = (
     "malformed_command",
+    "hostile_message",
     "oversized_command",
     "unknown_run",
     "foreign_scope_command",
@@ -81,6 +85,7 @@ class Injector:
         self._crashes = 0
         self._heavy = 0
         self._malformed = 0
+        self._hostile = 0
         self._oversized = 0
         self._duplicates = 0
 
@@ -126,11 +131,12 @@ class Injector:
         if kind == "rabbitmq_restart":
             down = await self.servers.rabbit_outage(self.rng.uniform(*self.profile.rabbit_down))
             return f"stop_app .. start_app, {down:.1f} s"
-        if kind == "pg_restart":
+        if kind in ("pg_restart", "pg_outage_long"):
             if self.servers.pg_cluster is None:
-                self.ledger.notes.append("pg_restart skipped: no local cluster to stop and start")
+                self.ledger.notes.append(f"{kind} skipped: no local cluster to stop and start")
                 return None
-            down = await self.servers.pg_outage(self.rng.uniform(*self.profile.pg_down))
+            hold = self.profile.pg_long_down if kind == "pg_outage_long" else self.rng.uniform(*self.profile.pg_down)
+            down = await self.servers.pg_outage(hold)
             return f"pg_ctlcluster stop .. start, {down:.1f} s until it answered"
         raise AssertionError(kind)
 
@@ -150,6 +156,10 @@ class Injector:
         if kind == "malformed_command":
             variant = MALFORMED_VARIANTS[self._malformed % len(MALFORMED_VARIANTS)]
             self._malformed += 1
+            sim.spawn(sim.malformed(variant), f"fault:{variant}")
+        elif kind == "hostile_message":
+            variant = HOSTILE_VARIANTS[self._hostile % len(HOSTILE_VARIANTS)]
+            self._hostile += 1
             sim.spawn(sim.malformed(variant), f"fault:{variant}")
         elif kind == "oversized_command":
             # A 17 MiB body is heavy for the broker: one in three; the others are 8 MiB replies at a pause.

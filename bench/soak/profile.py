@@ -23,6 +23,8 @@ class Profile:
     # How long a server stays down in an outage fault: uniform in [lo, hi] seconds.
     rabbit_down: tuple[float, float]
     pg_down: tuple[float, float]
+    # The long PostgreSQL outage: as long as a managed failover.
+    pg_long_down: float = 30.0
     # Each deck of infrastructure faults holds these light faults (several times each) and ONE heavy one
     # (a RabbitMQ or a PostgreSQL restart, alternately).
     light_per_deck: int = 1

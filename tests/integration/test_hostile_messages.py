@@ -38,25 +38,10 @@ from intermission.wire import (
 )
 from tests.integration.test_messaging import LOOKUP, next_event, notice_for, run_event, start
 from tests.support.amqp import AmqpUser, Broker, CaptureFactory, ConnectionFactory, Vhost
+from tests.support.hostile import RawText, nested, padded_id
 
 COPIES = 40
 WAIT = 60.0
-
-
-class RawText(str):
-    """A header value that goes on the wire as a string header holding ``raw``, which need not be UTF-8:
-    the AMQP client encodes a string by calling its ``encode``. It is how a foreign client's bytes are sent
-    from here."""
-
-    raw: bytes
-
-    def __new__(cls, raw: bytes) -> RawText:
-        made = super().__new__(cls, "raw")
-        made.raw = raw
-        return made
-
-    def encode(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
-        return self.raw
 
 
 GOOD_VERSION = {"run_id": "r-1", "suspension_id": 1, "run_revision": 1}
@@ -83,11 +68,9 @@ class Hostile:
 
 
 HOSTILE = {
-    "json_nested_5000_deep": Hostile(
-        Command.RESUME, lambda s: b'{"scope": ' + b"[" * 5000 + b"]" * 5000 + b"}", "invalid_message"
-    ),
+    "json_nested_5000_deep": Hostile(Command.RESUME, lambda s: nested(5000), "invalid_message"),
     "message_id_of_250_bytes": Hostile(
-        Command.RESUME, lambda s: b"{not json", "invalid_message", message_id=lambda i: f"{i:03d}-" + "m" * 246
+        Command.RESUME, lambda s: b"{not json", "invalid_message", message_id=lambda i: padded_id(f"{i:03d}")
     ),
     "header_not_utf8": Hostile(
         Command.RESUME,
