@@ -3,10 +3,21 @@ developer's machine. A bad setting stops the process at start with a message nam
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from intermission.schemas.limits import MAX_PAUSE_TTL_SECONDS
+
+
+@dataclass(frozen=True)
+class ManagementAccess:
+    url: str
+    user: str
+    password: str
+    vhost: str
 
 
 class Settings(BaseSettings):
@@ -53,6 +64,21 @@ class Settings(BaseSettings):
     # "module:attribute" of the executor factory; the default is the agent loop with the scripted model.
     executor: str = "intermission.agent.loop:default_executor"
     log_level: str = "INFO"
+    # RabbitMQ's management HTTP API, for `intermission grant`; its credentials default to AMQP_URL's.
+    management_url: str = "http://localhost:15672"
+    management_user: str | None = None
+    management_password: SecretStr | None = None
+
+    def management(self) -> ManagementAccess:
+        """Where and as whom the grant commands reach the management API, and for which vhost."""
+        amqp = urlsplit(self.amqp_url)
+        password = self.management_password.get_secret_value() if self.management_password else None
+        return ManagementAccess(
+            url=self.management_url,
+            user=self.management_user or unquote(amqp.username or "guest"),
+            password=password if password is not None else unquote(amqp.password or "guest"),
+            vhost=unquote(amqp.path[1:]) if len(amqp.path) > 1 else "/",
+        )
 
     @model_validator(mode="after")
     def _renew_before_lapse(self) -> Settings:

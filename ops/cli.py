@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from intermission.fleet.logs import configure as configure_logs
 from intermission.fleet.settings import Settings
+from intermission.ops.grants import BrokerGrants, rabbitmqctl_lines
 from intermission.publishers.amqp import connect
 from intermission.schemas.errors import IntermissionError, NotSuspended, ProgressNotFound
 from intermission.schemas.run import RunState
@@ -238,6 +239,80 @@ def dead_replay(message_ids: tuple[str, ...], codes: tuple[str, ...], everything
         click.echo(f"{len(replayed)} command(s) replayed")
 
     run_or_exit("dead replay", run())
+
+
+def _scope_option(app: str, tenant: str) -> Scope:
+    try:
+        return Scope(app=app, tenant=tenant)
+    except ValidationError as exc:
+        raise click.BadParameter("app and tenant must match [A-Za-z0-9_-]{1,64}") from exc
+
+
+async def _with_grants(settings: Settings, use: Callable[[BrokerGrants], Awaitable[T]]) -> T:
+    access = settings.management()
+    grants = BrokerGrants.connect(access.url, access.user, access.password, access.vhost)
+    try:
+        return await use(grants)
+    finally:
+        await grants.close()
+
+
+def _print_scopes(user: str, scopes: list[Scope]) -> None:
+    click.echo(f"{user}: {', '.join(str(s) for s in scopes) if scopes else 'no scope'}")
+
+
+@main.command("grant")
+@click.argument("user")
+@click.option("--app", required=True)
+@click.option("--tenant", required=True)
+@click.option("--print", "print_only", is_flag=True, help="print the rabbitmqctl commands instead of applying them")
+def grant_command(user: str, app: str, tenant: str, print_only: bool) -> None:
+    """Let the RabbitMQ user USER act as a host for one more scope, and for nothing else."""
+    scope = _scope_option(app, tenant)
+    settings = load_settings()
+    if print_only:
+        for line in rabbitmqctl_lines(user, [scope], settings.management().vhost):
+            click.echo(line)
+        return
+
+    async def run() -> None:
+        _print_scopes(user, await _with_grants(settings, lambda g: g.grant(user, scope)))
+
+    run_or_exit("grant", run())
+
+
+@main.command("revoke")
+@click.argument("user")
+@click.option("--app", required=True)
+@click.option("--tenant", required=True)
+def revoke_command(user: str, app: str, tenant: str) -> None:
+    """Take one scope away from the RabbitMQ user USER; with none left it may do nothing at all."""
+    scope = _scope_option(app, tenant)
+    settings = load_settings()
+
+    async def run() -> None:
+        _print_scopes(user, await _with_grants(settings, lambda g: g.revoke(user, scope)))
+
+    run_or_exit("revoke", run())
+
+
+@main.command("grants")
+@click.argument("user", required=False)
+def grants_command(user: str | None) -> None:
+    """The scopes each confined host user (or USER) may act for."""
+    settings = load_settings()
+
+    async def run() -> None:
+        if user is not None:
+            _print_scopes(user, await _with_grants(settings, lambda g: g.scopes(user)))
+            return
+        everyone = await _with_grants(settings, lambda g: g.all_grants())
+        for name in sorted(everyone):
+            _print_scopes(name, everyone[name])
+        if not everyone:
+            click.echo("no confined users")
+
+    run_or_exit("grants", run())
 
 
 if __name__ == "__main__":

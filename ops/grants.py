@@ -1,0 +1,215 @@
+"""Granting a RabbitMQ user the scopes it may act for: tenants confined by the broker itself.
+
+A host user holds exactly these permissions on the vhost (docs/contracts.md, "Who may publish and read
+what"), for the scopes it was granted:
+
+- configure, write and read on its own queues only (``amq.gen-*`` and ``<user>.*``);
+- write on ``intermission.commands``, and there only routing keys ``run.<command>.<app>.<tenant>`` of its
+  scopes (a topic write permission), so the bare key and every other scope's key are refused by the broker;
+- read on ``intermission.events``, and there only bindings of its scopes' keys (a topic read permission:
+  ``<kind>.<detail>.<app>.<tenant>``), so a binding of ``#`` or of another scope's keys is refused;
+- nothing else: in particular no write on ``intermission.events``, so a host cannot forge an event.
+
+RabbitMQ holds ONE set of permissions per user and vhost and one topic permission per exchange, so a user's
+scopes live in the topic patterns, as an alternation of escaped ``app\\.tenant`` pairs; granting or revoking
+rewrites them whole. Every pattern is built here from validated scope names (``[A-Za-z0-9_-]{1,64}``),
+escaped, never from text a caller typed.
+
+The management HTTP API applies the grants (``INTERMISSION_MANAGEMENT_URL``, with the credentials of
+``INTERMISSION_MANAGEMENT_USER``/``_PASSWORD``); ``rabbitmqctl_lines`` gives the same grants as commands
+for operators without the API.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import httpx
+
+from intermission.schemas.errors import InvalidArgument
+from intermission.schemas.scope import Scope
+from intermission.wire import COMMANDS_EXCHANGE, EVENTS_EXCHANGE
+
+_ALTERNATION = re.compile(r"^\(\?:(?P<scopes>.*)\)\$$")
+_COMMAND_KEYS_PREFIX = r"^run\.[a-z]+\."
+_EVENT_KEYS_PREFIX = r"^[^.]+\.[^.]+\."
+# What a user confined to no scope may match: nothing (RabbitMQ reads an empty pattern as "nothing").
+NOTHING = "^$"
+
+
+class ManagementError(InvalidArgument):
+    """The management API refused a request, or a user's permissions are not ones ``grant`` made."""
+
+    code = "management_error"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """Everything a host user is granted on the vhost, for its scopes."""
+
+    configure: str
+    write: str
+    read: str
+    commands_write: str
+    events_read: str
+
+
+def _scope_alternation(scopes: list[Scope]) -> str:
+    pairs = sorted({f"{re.escape(s.app)}\\.{re.escape(s.tenant)}" for s in scopes})
+    return "(?:" + "|".join(pairs) + ")$"
+
+
+def own_queues(user: str) -> str:
+    return rf"amq\.gen-.*|{re.escape(user)}\..*"
+
+
+def host_permissions(user: str, scopes: list[Scope]) -> Permissions:
+    if not scopes:
+        raise InvalidArgument("a host user needs at least one scope")
+    alternation = _scope_alternation(scopes)
+    queues = own_queues(user)
+    return Permissions(
+        configure=f"^({queues})$",
+        write=f"^({re.escape(COMMANDS_EXCHANGE)}|{queues})$",
+        read=f"^({re.escape(EVENTS_EXCHANGE)}|{queues})$",
+        commands_write=_COMMAND_KEYS_PREFIX + alternation,
+        events_read=_EVENT_KEYS_PREFIX + alternation,
+    )
+
+
+def scopes_of(commands_write: str) -> list[Scope]:
+    """The scopes a topic write pattern on ``intermission.commands`` grants, if ``grant`` wrote it."""
+    if commands_write in ("", NOTHING):
+        return []
+    if not commands_write.startswith(_COMMAND_KEYS_PREFIX):
+        raise ManagementError(f"the topic permission {commands_write!r} was not made by intermission grant")
+    found = _ALTERNATION.match(commands_write[len(_COMMAND_KEYS_PREFIX) :])
+    if found is None:
+        raise ManagementError(f"the topic permission {commands_write!r} was not made by intermission grant")
+    scopes = []
+    for pair in found.group("scopes").split("|"):
+        app, sep, tenant = pair.partition("\\.")
+        if not sep:
+            raise ManagementError(f"the topic permission {commands_write!r} was not made by intermission grant")
+        try:
+            scopes.append(Scope(app=_unescape(app), tenant=_unescape(tenant)))
+        except ValueError as exc:
+            raise ManagementError(f"the topic permission {commands_write!r} names no valid scope") from exc
+    return scopes
+
+
+def _unescape(escaped: str) -> str:
+    return re.sub(r"\\(.)", r"\1", escaped)
+
+
+def rabbitmqctl_lines(user: str, scopes: list[Scope], vhost: str) -> list[str]:
+    """The same grant as ``rabbitmqctl`` commands."""
+    if not scopes:
+        return [
+            f"rabbitmqctl clear_permissions -p {shlex.quote(vhost)} {shlex.quote(user)}",
+            f"rabbitmqctl clear_topic_permissions -p {shlex.quote(vhost)} {shlex.quote(user)}",
+        ]
+    p = host_permissions(user, scopes)
+    q = shlex.quote
+    who = f"-p {q(vhost)} {q(user)}"
+    return [
+        f"rabbitmqctl set_permissions {who} {q(p.configure)} {q(p.write)} {q(p.read)}",
+        f"rabbitmqctl set_topic_permissions {who} {COMMANDS_EXCHANGE} {q(p.commands_write)} {q(NOTHING)}",
+        f"rabbitmqctl set_topic_permissions {who} {EVENTS_EXCHANGE} {q(NOTHING)} {q(p.events_read)}",
+    ]
+
+
+class BrokerGrants:
+    """Grants over the management HTTP API, for one vhost."""
+
+    def __init__(self, client: httpx.AsyncClient, vhost: str) -> None:
+        self._client = client
+        self.vhost = vhost
+
+    @classmethod
+    def connect(cls, url: str, user: str, password: str, vhost: str, *, timeout: float = 10.0) -> BrokerGrants:
+        return cls(httpx.AsyncClient(base_url=url, auth=(user, password), timeout=timeout), vhost)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    def _path(self, *parts: str) -> str:
+        return "/api/" + "/".join(quote(p, safe="") for p in parts)
+
+    async def _request(self, method: str, path: str, json: object | None = None) -> httpx.Response:
+        response = await self._client.request(method, path, json=json)
+        if response.status_code >= 400 and not (method == "DELETE" and response.status_code == 404):
+            raise ManagementError(f"{method} {path}: {response.status_code} {response.text[:300]}")
+        return response
+
+    async def scopes(self, user: str) -> list[Scope]:
+        """The scopes ``user`` is granted on this vhost (none when it has no topic permission)."""
+        response = await self._client.get(self._path("topic-permissions", self.vhost, user))
+        if response.status_code == 404:
+            return []
+        if response.status_code >= 400:
+            raise ManagementError(f"reading {user}'s permissions: {response.status_code} {response.text[:300]}")
+        for entry in response.json():
+            if entry.get("exchange") == COMMANDS_EXCHANGE:
+                return scopes_of(str(entry.get("write", "")))
+        return []
+
+    async def all_grants(self) -> dict[str, list[Scope]]:
+        """Every user with a topic permission on ``intermission.commands`` in this vhost, and its scopes."""
+        response = await self._request("GET", self._path("vhosts", self.vhost, "topic-permissions"))
+        found: dict[str, list[Scope]] = {}
+        for entry in response.json():
+            if entry.get("exchange") == COMMANDS_EXCHANGE:
+                try:
+                    found[str(entry["user"])] = scopes_of(str(entry.get("write", "")))
+                except ManagementError:
+                    found[str(entry["user"])] = []
+        return found
+
+    async def set_scopes(self, user: str, scopes: list[Scope]) -> None:
+        """Make ``user``'s permissions exactly the host permissions for ``scopes`` (none: no access)."""
+        if not scopes:
+            await self._request("DELETE", self._path("permissions", self.vhost, user))
+            await self._request("DELETE", self._path("topic-permissions", self.vhost, user))
+            return
+        p = host_permissions(user, scopes)
+        await self._request(
+            "PUT",
+            self._path("permissions", self.vhost, user),
+            {"configure": p.configure, "write": p.write, "read": p.read},
+        )
+        await self._request(
+            "PUT",
+            self._path("topic-permissions", self.vhost, user),
+            {"exchange": COMMANDS_EXCHANGE, "write": p.commands_write, "read": NOTHING},
+        )
+        await self._request(
+            "PUT",
+            self._path("topic-permissions", self.vhost, user),
+            {"exchange": EVENTS_EXCHANGE, "write": NOTHING, "read": p.events_read},
+        )
+
+    async def grant(self, user: str, scope: Scope) -> list[Scope]:
+        """Add ``scope`` to what ``user`` may act for; returns its scopes now."""
+        await self._require_user(user)
+        scopes = await self.scopes(user)
+        if scope not in scopes:
+            scopes.append(scope)
+        await self.set_scopes(user, scopes)
+        return scopes
+
+    async def revoke(self, user: str, scope: Scope) -> list[Scope]:
+        """Take ``scope`` away from ``user``; returns its scopes now."""
+        scopes = [s for s in await self.scopes(user) if s != scope]
+        await self.set_scopes(user, scopes)
+        return scopes
+
+    async def _require_user(self, user: str) -> None:
+        response = await self._client.get(self._path("users", user))
+        if response.status_code == 404:
+            raise ManagementError(f"no RabbitMQ user {user!r}: create it first (rabbitmqctl add_user)")
+        if response.status_code >= 400:
+            raise ManagementError(f"reading user {user}: {response.status_code} {response.text[:300]}")
