@@ -53,7 +53,8 @@ class Worker:
     relay: OutboxRelay
 
     async def drain(self) -> None:
-        """Return when nothing is left to do here: no run in flight, nothing to reclaim, the outbox sent."""
+        """Return when nothing is left to do here: no run in flight, nothing to reclaim, the outbox sent (but
+        for rows the broker refused: those wait for their next attempt, or are quarantined)."""
         while True:
             await self.fleet.drain()
             await self.relay.run_once()
