@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     relay_poll_seconds: float = Field(default=5.0, gt=0)
     # How long a publisher waits for a batch's confirms before retrying it.
     publish_timeout_seconds: float = Field(default=10.0, gt=0)
+    # Broker refusals of one outbox row (a nack, a return, a channel closed over it; never an outage) after
+    # which the relay quarantines it. Between refusals the row waits 1 s, doubled each time, at most 10 s,
+    # so the default gives a full subscriber queue about 15 s to make room.
+    outbox_max_attempts: int = Field(default=5, ge=1)
     sweep_interval_seconds: float = Field(default=60.0, gt=0)
     sweep_batch: int = Field(default=100, ge=1, le=10000)
     # run.expire commands a sweeper publishes per second at most, so that working through a backlog does

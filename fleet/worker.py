@@ -58,7 +58,8 @@ class Worker:
     supervisor: Supervisor
 
     async def drain(self) -> None:
-        """Return when nothing is left to do here: no run in flight, nothing to reclaim, the outbox sent."""
+        """Return when nothing is left to do here: no run in flight, nothing to reclaim, the outbox sent (but
+        for rows the broker refused: those wait for their next attempt, or are quarantined)."""
         while True:
             await self.fleet.drain()
             await self.relay.run_once()
@@ -92,7 +93,9 @@ async def running_worker(
             batch_size=settings.relay_batch,
             poll_seconds=settings.relay_poll_seconds,
             publish_timeout=settings.publish_timeout_seconds,
+            max_attempts=settings.outbox_max_attempts,
         )
+        metrics.watch_relay(relay)
         # Every commit of this process that adds outbox rows wakes the relay at once; LISTEN (above) still
         # brings the rows other processes write (hosts using the store, the CLI).
         stop_waking = stores.db.on_outbox_commit(relay.wake)

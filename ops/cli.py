@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
+from datetime import datetime
 from typing import Any, TypeVar
 
 import click
@@ -239,6 +240,66 @@ def dead_replay(message_ids: tuple[str, ...], codes: tuple[str, ...], everything
         click.echo(f"{len(replayed)} command(s) replayed")
 
     run_or_exit("dead replay", run())
+
+
+@main.group("outbox")
+def outbox_group() -> None:
+    """Look at the events waiting to be published, and send quarantined ones again."""
+
+
+def _when(moment: datetime | None) -> str:
+    return f"{moment:%Y-%m-%d %H:%M:%S}" if moment is not None else "-"
+
+
+@outbox_group.command("list")
+@click.option("--quarantined", is_flag=True, help="the rows the relay set aside, instead of those it still tries")
+@click.option("--limit", type=click.IntRange(1, 10000), default=100, show_default=True)
+def outbox_list(quarantined: bool, limit: int) -> None:
+    """Unsent outbox rows, oldest first: id, routing key, broker refusals so far, when it was quarantined, and
+    the broker's last reason. Never the body: events carry the hosts' data."""
+    settings = load_settings()
+
+    async def run() -> None:
+        stores = await Stores.connect(settings.database_url, max_size=1)
+        try:
+            found = await stores.across_scopes.list_outbox(quarantined=quarantined, limit=limit)
+        finally:
+            await stores.close()
+        for entry in found:
+            click.echo(
+                f"{entry.id:<10} {entry.routing_key:<48} attempts {entry.attempts:<3} "
+                f"{_when(entry.quarantined_at):<19} {entry.last_error or '-'}"
+            )
+        click.echo(f"{len(found)} {'quarantined' if quarantined else 'unsent'} outbox row(s)")
+
+    run_or_exit("outbox list", run())
+
+
+@outbox_group.command("retry")
+@click.argument("ids", nargs=-1, type=int)
+@click.option("--all", "everything", is_flag=True, help="every quarantined row")
+def outbox_retry(ids: tuple[int, ...], everything: bool) -> None:
+    """Hand quarantined rows back to the relay (after making room for them: the subscriber queue that refused
+    them, the broker's limits). Their refusals are forgotten and they go out under their own message_id, so a
+    subscriber that got one after all drops the copy."""
+    if bool(ids) == everything:
+        raise click.UsageError("say which: one or more IDs, or --all")
+    settings = load_settings()
+
+    async def run() -> list[int]:
+        stores = await Stores.connect(settings.database_url, max_size=1)
+        try:
+            return await stores.across_scopes.retry_quarantined_outbox(None if everything else ids)
+        finally:
+            await stores.close()
+
+    retried = run_or_exit("outbox retry", run())
+    click.echo(f"{len(retried)} outbox row(s) handed back to the relay")
+    left = sorted(set(ids) - set(retried))
+    if left:
+        # Sent already, never quarantined, or no such row: say so, and fail, so a script notices.
+        click.echo(f"not quarantined: {' '.join(str(i) for i in left)}", err=True)
+        sys.exit(1)
 
 
 def _scope_option(app: str, tenant: str) -> Scope:

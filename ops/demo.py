@@ -114,7 +114,8 @@ async def play(settings: Settings, say: Say) -> int:
         running_worker(settings) as worker,
         await HostClient.connect(settings.amqp_url, name="intermission-demo host") as host,
         await BusClient.connect(settings.amqp_url, name="intermission-demo bus") as bus,
-        host.subscribe(SCOPE) as events,
+        # A throwaway listener: a durable queue would outlive the demo and fill up with nobody reading it.
+        host.subscribe(SCOPE, exclusive=True) as events,
     ):
         say(f"Worker {worker.fleet.owner} is consuming; the host, an approver ({user}) and a bus peer are listening.")
         runs = demo_runs(approver=user)

@@ -1,15 +1,50 @@
 """Prometheus metrics of a worker (served on ``INTERMISSION_METRICS_PORT`` when it is not 0).
 
 Counters only where a rate is what an operator watches (commands by outcome, runs by how they left the
-worker, takeovers), gauges for what is in flight. Labels are bounded sets (command names, outcomes, error
-codes), never run ids or scopes.
+worker, takeovers, outbox refusals and quarantines), gauges for what is in flight or waiting. Labels are
+bounded sets (command names, outcomes, error codes), never run ids or scopes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from intermission.wire import Command
+
+if TYPE_CHECKING:
+    from intermission.publishers.relay import OutboxRelay
+
+
+class _RelayCollector:
+    """The relay's own counts, read at each scrape: the relay keeps plain numbers (it knows nothing of
+    Prometheus), and reading them when scraped cannot drift from them."""
+
+    def __init__(self, relay: OutboxRelay) -> None:
+        self._relay = relay
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "intermission_outbox_refused",
+            "Broker refusals of outbox rows this worker's relay counted (nack, return, channel closed over it).",
+            value=self._relay.refused,
+        )
+        yield CounterMetricFamily(
+            "intermission_outbox_quarantined",
+            "Outbox rows this worker's relay quarantined after INTERMISSION_OUTBOX_MAX_ATTEMPTS refusals.",
+            value=self._relay.quarantined,
+        )
+        rows = self._relay.quarantined_rows
+        if rows is not None:
+            # Before the relay's first count there is no figure, rather than a made-up 0.
+            yield GaugeMetricFamily(
+                "intermission_outbox_quarantined_rows",
+                "Quarantined outbox rows in the database, fleet-wide (every worker reports the same figure).",
+                value=rows,
+            )
 
 
 class WorkerMetrics:
@@ -45,6 +80,10 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self.running = Gauge("intermission_runs_running", "Runs executing in this worker now.", registry=self.registry)
+
+    def watch_relay(self, relay: OutboxRelay) -> None:
+        """Expose ``relay``'s refusals, quarantines and the quarantined rows' count."""
+        self.registry.register(_RelayCollector(relay))
 
     def command(self, command: Command, outcome: str, code: str) -> None:
         self.commands.labels(command.value, outcome, code).inc()

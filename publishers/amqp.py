@@ -4,6 +4,10 @@ built by ``intermission.wire``, the contract's one module.
 Publishing always waits for the broker's publisher confirm. A batch is published concurrently on one
 channel and its confirms are awaited together: waiting for each confirm before sending the next message
 would cost a network round trip per message.
+
+A message that was not confirmed was either REFUSED by the broker, which said so about that very message
+(``refusal`` tells), or lost to an outage (the connection or channel went away, no confirm in time), which
+says nothing about the message: the outbox relay counts only the former against a row.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Final
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractExchange, AbstractRobustChannel, AbstractRobustConnection
+from aiormq.channel import EXCEPTION_MAPPING
+from pamqp.commands import Basic
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 from yarl import URL
 
@@ -42,6 +48,61 @@ class PublishFailed(TransientError):
     """The broker did not confirm every message; the unconfirmed ones may be published again."""
 
     code = "publish_failed"
+
+
+# The channel-closing codes that mean "this publication is refused": 406 PRECONDITION_FAILED (the message is
+# over the broker's max_message_size, or names a user_id that is not the connection's own) and 506
+# RESOURCE_ERROR. Not 403 ACCESS_REFUSED or 404 NOT_FOUND: a missing permission or exchange refuses every
+# message alike and says nothing about any one of them.
+REFUSING_CHANNEL_CODES: Final = frozenset({406, 506})
+_CHANNEL_CODES: Final = {error: code for code, error in EXCEPTION_MAPPING.items()}
+
+
+def _channel_closed(error: BaseException) -> tuple[int | None, str] | None:
+    """The code and text of the Channel.Close behind ``error``, or None when it is something else."""
+    if not isinstance(error, aiormq.exceptions.ChannelClosed):
+        return None
+    code = _CHANNEL_CODES.get(type(error))
+    if code is not None:
+        # aiormq raises a mapped code's class with the reply text alone.
+        return code, str(error.args[0]) if error.args else ""
+    # Any other code: ChannelClosed(reply_code, reply_text).
+    raw_code, text = (*error.args, None, None)[:2]
+    return (raw_code if isinstance(raw_code, int) else None), str(text or "")
+
+
+def _closed_by_refusal(error: BaseException | None) -> bool:
+    closed = _channel_closed(error) if error is not None else None
+    return closed is not None and closed[0] in REFUSING_CHANNEL_CODES
+
+
+def refusal(outcome: BaseException | None) -> str | None:
+    """The broker's reason when ``outcome`` (an element of ``publish_all``'s result) is the broker refusing
+    that very message; None when the message was confirmed, or failed for a reason that is not its own (the
+    connection or channel lost, no confirm in time, a missing exchange or permission)."""
+    if outcome is None:
+        return None
+    if isinstance(outcome, aiormq.exceptions.PublishError):
+        returned = outcome.frame
+        assert isinstance(returned, Basic.Return)
+        return f"returned by the broker (basic.return): {returned.reply_code} {returned.reply_text}"
+    if isinstance(outcome, aiormq.exceptions.DeliveryError) and isinstance(outcome.frame, Basic.Nack):
+        # A nack carries no reason; these are the ones RabbitMQ has.
+        return (
+            "nacked by the broker (basic.nack): a queue it routes to refused it (at its length limit with "
+            "x-overflow reject-publish, or a quorum queue without a quorum)"
+        )
+    closed = _channel_closed(outcome)
+    if closed is not None and closed[0] in REFUSING_CHANNEL_CODES:
+        return f"the broker closed the channel over it: {closed[1]}"
+    return None
+
+
+def _fails_with_its_channel(outcome: BaseException | None) -> bool:
+    """Whether ``outcome`` is a publication that failed because its channel closed: it may have been
+    another message's doing (the broker closes the channel over one publication and every other one in
+    flight on it fails with the same error)."""
+    return isinstance(outcome, aiormq.exceptions.ChannelClosed | aiormq.exceptions.ChannelInvalidStateError)
 
 
 # What a background publisher retries: the broker (connection, channel, confirms) or the database being
@@ -159,7 +220,80 @@ class ConfirmingPublisher:
 
     async def publish_all(self, outgoing: Sequence[Outgoing]) -> list[BaseException | None]:
         """Publish every message concurrently and wait for all their confirms together, bounded by the
-        publisher's timeout. Element i is None when message i was confirmed, else why it was not."""
+        publisher's timeout. Element i is None when message i was confirmed, else why it was not; where
+        ``refusal`` finds a refusal in it, it is message i's own (see ``_attribute``)."""
+        outcomes = await self._publish_together(outgoing)
+        if any(_closed_by_refusal(outcome) for outcome in outcomes):
+            outcomes = await self._attribute(outgoing, outcomes)
+        return outcomes
+
+    async def _attribute(
+        self, outgoing: Sequence[Outgoing], outcomes: list[BaseException | None]
+    ) -> list[BaseException | None]:
+        """Find out which message the broker closed the channel over.
+
+        A channel the broker closes fails every publication in flight on it with the same error, so that
+        error names none of them. Each message that failed with its channel is published again, alone, on a
+        channel that nothing else uses: a channel closed over it now is its own doing. (One that goes
+        through is confirmed now; the first attempt may have reached queues too, a duplicate under the same
+        message_id, as after any failure.) The first outage ends the search: the messages not tried alone
+        take that error, which counts against none of them.
+
+        The search runs on a connection of its own, opened for it: aiormq may still write a publication of
+        the batch after it answered the broker's Channel.Close (a publication waiting for the channel's lock
+        when the close arrived), and the broker then closes the whole CONNECTION (504 CHANNEL_ERROR). On the
+        shared connection the search would run into that every time and never name the message.
+        """
+        settled = list(outcomes)
+        suspects = [i for i, outcome in enumerate(outcomes) if _fails_with_its_channel(outcome)]
+        try:
+            async with asyncio.timeout(self._timeout):
+                private = await aio_pika.connect(
+                    self._connection_url(), client_properties={"connection_name": "intermission refusal check"}
+                )
+        except TRANSIENT_AMQP_ERRORS as exc:
+            for i in suspects:
+                settled[i] = exc
+            return settled
+        try:
+            for position, i in enumerate(suspects):
+                alone = await self._publish_alone(private, outgoing[i])
+                settled[i] = alone
+                if alone is not None and refusal(alone) is None:
+                    for j in suspects[position + 1 :]:
+                        settled[j] = alone
+                    break
+        finally:
+            with contextlib.suppress(*TRANSIENT_AMQP_ERRORS):
+                await private.close()
+        return settled
+
+    def _connection_url(self) -> URL:
+        # aio-pika keeps the URL it connected with (credentials, vhost, options) but does not declare it on
+        # its abstract connection.
+        url = getattr(self._connection, "url", None)
+        if not isinstance(url, URL):
+            raise TypeError("the publisher's connection does not say which URL it connected to")
+        return url
+
+    async def _publish_alone(self, connection: aio_pika.abc.AbstractConnection, item: Outgoing) -> BaseException | None:
+        channel = connection.channel(publisher_confirms=True, on_return_raises=True)
+        try:
+            async with asyncio.timeout(self._timeout):
+                await channel
+                exchange = await channel.get_exchange(self._exchange_name, ensure=False)
+                await exchange.publish(item.message, item.routing_key, mandatory=self._mandatory)
+        except TimeoutError:
+            return TimeoutError("no publisher confirm in time")
+        except TRANSIENT_AMQP_ERRORS as exc:
+            return exc
+        finally:
+            if not channel.is_closed:
+                with contextlib.suppress(*TRANSIENT_AMQP_ERRORS):
+                    await channel.close()
+        return None
+
+    async def _publish_together(self, outgoing: Sequence[Outgoing]) -> list[BaseException | None]:
         if not outgoing:
             return []
         exchange = await self._open()

@@ -28,8 +28,17 @@ command) and with ``mandatory`` (a command no queue takes fails loudly instead o
 a reply's or a decision's ``user_id``: a host cannot forge the bus's.
 
 Subscriptions deduplicate on ``message_id``: the relay delivers every event at least once, always under
-the same id. By default a subscription reads from an exclusive, auto-deleted queue, which exists only while
-the client is connected; a host that must not miss a notice while it is away names a ``durable_queue``.
+the same id. An event is acknowledged only once its consumer is done with it: when the consumer asks for the
+next one, or leaves the ``async with`` block without an error. A consumer that raises, or a process that
+dies, leaves it unacknowledged, and the broker delivers it again.
+
+By default a subscription reads from a DURABLE queue named after the connection's user and the scope
+(``<user>.<app>.<tenant>``; see ``subscription_queue``), so nothing is missed while a host is away or
+restarting: events routed there meanwhile wait for it, and an event whose handler never finished is
+delivered again to the next subscription of that queue. ``durable_queue="name"`` names it instead;
+subscriptions of several processes to one name share its events (each goes to one of them).
+``exclusive=True`` is for throwaway listeners (a demo, a dashboard): a queue that lives only as long as the
+subscription, and misses whatever is published while it is not there.
 """
 
 from __future__ import annotations
@@ -97,13 +106,16 @@ ALL_KINDS: frozenset[EventKind] = frozenset(EventKind)
 
 @dataclass(frozen=True)
 class Received(Generic[E]):
-    """One event as delivered: its typed body and the message's identity."""
+    """One event as delivered: its typed body and the message's identity. ``redelivered``: the broker
+    delivered it before (to a consumer that did not finish with it, perhaps this process before a
+    restart), so its effect may already have happened."""
 
     event: E
     message_id: str | None
     routing_key: str
     correlation_id: str | None
     headers: Mapping[str, Any]
+    redelivered: bool = False
 
 
 class _Seen:
@@ -127,8 +139,15 @@ class Subscription(Generic[E]):
     """Events from ``intermission.events`` for some routing keys: an async context manager that yields an
     async iterator of ``Received`` events, each ``message_id`` at most once (of the last ``remember``).
 
-    A message whose body does not decode is logged and skipped. Each message is acknowledged when the
-    iterator hands it out; ``prefetch`` bounds how many wait unread.
+    Each event is acknowledged once its consumer is done with it: when the consumer asks for the next
+    (``__anext__``), or leaves the ``async with`` block without an error. Until then it is unacknowledged,
+    so a consumer that raises (the block is left with the error) or a process that dies gets it again from
+    the broker. A message whose body does not decode is logged, acknowledged and skipped: no consumer could
+    ever handle it. ``prefetch`` bounds how many wait unread.
+
+    ``durable_queue`` names the durable (quorum) queue to read from, declared if missing and bound to the
+    subscription's keys (a queue keeps every binding it was ever given); without it the queue is exclusive
+    and deleted with the subscription. The clients' ``subscribe`` name one by default.
     """
 
     def __init__(
@@ -151,6 +170,8 @@ class Subscription(Generic[E]):
         self._channel: AbstractRobustChannel | None = None
         self._queue: AbstractQueue | None = None
         self._tag: ConsumerTag | None = None
+        # The event handed out last, acknowledged once its consumer is done with it.
+        self._current: AbstractIncomingMessage | None = None
 
     async def __aenter__(self) -> Self:
         channel = self._connection.channel(publisher_confirms=False)
@@ -172,12 +193,17 @@ class Subscription(Generic[E]):
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if exc_type is None:
+            # Left cleanly (the loop ended, a break, a return): the consumer is done with the last event.
+            # Left with an error, it may not be: it stays unacknowledged and the broker delivers it again.
+            await self._settle()
         channel, self._channel = self._channel, None
         if channel is None or channel.is_closed:
             return
         with contextlib.suppress(*TRANSIENT_AMQP_ERRORS):
             if self._queue is not None and self._tag is not None:
                 await self._queue.cancel(self._tag)
+        # Closing the channel hands every unacknowledged message back to the queue.
         with contextlib.suppress(*TRANSIENT_AMQP_ERRORS):
             await channel.close()
 
@@ -193,14 +219,15 @@ class Subscription(Generic[E]):
         return self
 
     async def __anext__(self) -> Received[E]:
+        # Asking for the next event is saying the last one is done with.
+        await self._settle()
         while True:
             message = await self._inbox.get()
-            # Acknowledged as it is handed out (or dropped); a channel that closed meanwhile redelivers it
-            # on a durable queue, and the id check below drops the copy.
-            with contextlib.suppress(*TRANSIENT_AMQP_ERRORS):
-                await message.ack()
             key = message.routing_key or ""
             if message.message_id is not None and not self._seen.first_time(message.message_id):
+                # A copy of an event this subscription handed out already, whose consumer asked for more
+                # since: done with, like the original.
+                await _ack(message)
                 continue
             try:
                 event = self._decode(key, message.body)
@@ -214,14 +241,41 @@ class Subscription(Generic[E]):
                         "error": type(exc).__name__,
                     },
                 )
+                await _ack(message)
                 continue
+            self._current = message
             return Received(
                 event=event,
                 message_id=message.message_id,
                 routing_key=key,
                 correlation_id=message.correlation_id,
                 headers=dict(message.headers),
+                redelivered=bool(message.redelivered),
             )
+
+    async def _settle(self) -> None:
+        message, self._current = self._current, None
+        if message is not None:
+            await _ack(message)
+
+
+async def _ack(message: AbstractIncomingMessage) -> None:
+    # On a channel that closed meanwhile (a lost connection) the ack cannot be sent: the broker delivers the
+    # message again, on the reopened channel, and the subscription drops it as a copy.
+    with contextlib.suppress(*TRANSIENT_AMQP_ERRORS):
+        await message.ack()
+
+
+def subscription_queue(user: str, scope: Scope | None, what: Collection[str] = ()) -> str:
+    """The durable queue a subscription reads from unless told otherwise: ``<user>.<app>.<tenant>``, then
+    what it hears when that is not everything (``.notice``, ``.notice+run``, ``.agent_reply``);
+    ``<user>.agent_reply`` for the bus's subscription to every scope. One name per user, scope and kinds,
+    so two subscriptions of one process to different kinds never share a queue (they would take turns with
+    each other's events), and the same subscription after a restart finds its queue, and what waited there."""
+    parts = [user, *((scope.app, scope.tenant) if scope is not None else ())]
+    if what:
+        parts.append("+".join(sorted(what)))
+    return ".".join(parts)
 
 
 def host_bindings(scope: Scope, kinds: Collection[EventKind] = ALL_KINDS) -> dict[str, type[BaseModel]]:
@@ -270,6 +324,13 @@ class _CommandClient:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+    def _user(self) -> str:
+        """Who this client is to the broker: its ``user_id``, else the user its connection logged in as."""
+        if self.user_id:
+            return self.user_id
+        url = getattr(self.connection, "url", None)
+        return _url_user(str(url)) if url is not None else "guest"
 
     async def close(self) -> None:
         """Close the client's channel, and its connection when the client opened it."""
@@ -340,10 +401,20 @@ class HostClient(_CommandClient):
         kinds: Collection[EventKind] = ALL_KINDS,
         *,
         durable_queue: str | None = None,
+        exclusive: bool = False,
         prefetch: int = 64,
     ) -> Subscription[HostEvent]:
-        """``scope``'s events of the given kinds, typed: Notice, RunEvent or CommandRejected."""
+        """``scope``'s events of the given kinds, typed: Notice, RunEvent or CommandRejected.
+
+        They are read from the durable queue ``durable_queue`` or, by default, ``subscription_queue(user,
+        scope, kinds)`` (``<user>.<app>.<tenant>`` for every kind), so a host misses no pause while it is
+        away; ``exclusive=True`` reads from a queue of this subscription's own instead, gone with it."""
         keys = host_bindings(scope, kinds)
+        queue = _queue_to_read(
+            durable_queue,
+            exclusive,
+            lambda: subscription_queue(self._user(), scope, () if set(kinds) >= ALL_KINDS else kinds),
+        )
 
         def decode(routing_key: str, body: bytes) -> HostEvent:
             model = keys[routing_key]
@@ -351,7 +422,16 @@ class HostClient(_CommandClient):
             assert isinstance(event, Notice | RunEvent | CommandRejected)
             return event
 
-        return Subscription(self.connection, keys, decode, durable_queue=durable_queue, prefetch=prefetch)
+        return Subscription(self.connection, keys, decode, durable_queue=queue, prefetch=prefetch)
+
+
+def _queue_to_read(durable_queue: str | None, exclusive: bool, default: Callable[[], str]) -> str | None:
+    """The durable queue a subscription reads, or None for an exclusive one."""
+    if exclusive:
+        if durable_queue is not None:
+            raise ValueError("a subscription reads either a durable queue or an exclusive one, not both")
+        return None
+    return durable_queue if durable_queue is not None else default()
 
 
 class BusClient(_CommandClient):
@@ -381,16 +461,26 @@ class BusClient(_CommandClient):
         return await self.send(Command.REPLY, reply, **options)
 
     def subscribe(
-        self, scope: Scope | None = None, *, durable_queue: str | None = None, prefetch: int = 64
+        self,
+        scope: Scope | None = None,
+        *,
+        durable_queue: str | None = None,
+        exclusive: bool = False,
+        prefetch: int = 64,
     ) -> Subscription[Notice]:
-        """``agent_reply`` notices of ``scope``, or of every scope when None."""
+        """``agent_reply`` notices of ``scope``, or of every scope when None, read from the durable queue
+        ``durable_queue`` or, by default, ``<user>.agent_reply`` (``<user>.<app>.<tenant>.agent_reply`` for
+        one scope); ``exclusive=True`` reads from a queue of this subscription's own, gone with it."""
         key = (
             notice_key(SuspendReason.AGENT_REPLY, require_scope(scope))
             if scope is not None
             else notice_binding(SuspendReason.AGENT_REPLY)
         )
+        queue = _queue_to_read(
+            durable_queue, exclusive, lambda: subscription_queue(self._user(), scope, [SuspendReason.AGENT_REPLY])
+        )
 
         def decode(_routing_key: str, body: bytes) -> Notice:
             return Notice.model_validate_json(body)
 
-        return Subscription(self.connection, [key], decode, durable_queue=durable_queue, prefetch=prefetch)
+        return Subscription(self.connection, [key], decode, durable_queue=queue, prefetch=prefetch)

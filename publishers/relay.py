@@ -5,9 +5,20 @@ A change and its event commit together (the outbox row); this relay publishes th
 batch it locks up to ``batch_size`` unsent rows (``FOR UPDATE SKIP LOCKED``, so the relays of several
 workers share the work and never publish the same row at the same time), publishes them concurrently on a
 publisher-confirm channel, awaits all the confirms together, marks the confirmed rows sent and commits. A
-row whose publication was nacked, timed out or lost with the connection stays unsent and goes out again
+row whose publication was refused, timed out or lost with the connection stays unsent and goes out again
 later with the SAME ``message_id``; subscribers deduplicate on it. A crash between the confirm and the
 commit does the same. Delivery is therefore at least once, never at most once.
+
+A refusal and an outage are told apart (``publishers.amqp.refusal``). A REFUSAL is the broker saying no to
+that very row: a nack of its publication (a subscriber queue at its length limit with reject-publish, a
+quorum queue without a quorum), a return, or a channel it closed over it (over its max message size). It
+is counted against the row in the batch's transaction (``attempts``, ``last_error``); the row waits before
+it is claimed again (one second, doubled per refusal, at most the longest back-off) while the rest of the
+batch and the batches behind it go out, and at its ``max_attempts``-th refusal it is QUARANTINED: set aside,
+logged with its id, key and the broker's reason (never its body), and claimed no more until an operator
+retries it (``intermission outbox retry``), under the same ``message_id``. An OUTAGE (the broker away, a
+channel or connection lost, no confirm in time, the database away) counts against no row: it would fail
+every row alike, and a broker restart must not quarantine the outbox. The relay backs off and retries.
 
 Events are published WITHOUT ``mandatory``: ``intermission.events`` is a topic exchange that nobody may
 be bound to (no host subscribed to that tenant yet), and an unroutable event is normal, not a failure.
@@ -36,8 +47,16 @@ import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from tenacity import RetryCallState
 
-from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, Outgoing, PublishFailed, backoff, retrying
-from intermission.store.across_scopes import AcrossScopes, OutboxRow
+from intermission.publishers.amqp import (
+    RETRYABLE,
+    ConfirmingPublisher,
+    Outgoing,
+    PublishFailed,
+    backoff,
+    refusal,
+    retrying,
+)
+from intermission.store.across_scopes import AcrossScopes, OutboxRow, RefusalPolicy, Refused
 from intermission.store.db import Database
 from intermission.store.notifications import OutboxListener
 from intermission.wire import EVENTS_EXCHANGE, message
@@ -75,10 +94,19 @@ class OutboxRelay:
         poll_seconds: float = 5.0,
         publish_timeout: float = 10.0,
         max_backoff_seconds: float = 10.0,
+        max_attempts: int = 5,
+        refusal_wait_seconds: float = 1.0,
         name: str = "intermission-relay",
     ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        # A refused row waits longer after each refusal, but never longer than the relay backs off after
+        # an outage: both are "try again soon", and neither may leave an event idle for long.
+        self._refusals = RefusalPolicy(
+            max_attempts=max_attempts,
+            first_wait_seconds=refusal_wait_seconds,
+            longest_wait_seconds=max(refusal_wait_seconds, max_backoff_seconds),
+        )
         self._outbox = AcrossScopes(db)
         self._publisher = ConfirmingPublisher(connection, EVENTS_EXCHANGE, mandatory=False, timeout=publish_timeout)
         self._listen_dsn = listen_dsn
@@ -90,9 +118,19 @@ class OutboxRelay:
         self._wake = asyncio.Event()
         self._listener: OutboxListener | None = None
         self._serving = asyncio.Event()
-        # Counters for metrics and tests: rows this relay marked sent, and attempts that failed.
+        # When the earliest row this relay saw refused is due again (loop time), so that it does not wait
+        # for the poll.
+        self._retry_at: float | None = None
+        # Counters for metrics and tests: rows this relay marked sent, attempts that failed (outages), broker
+        # refusals it counted, and rows it quarantined.
         self.published = 0
         self.failures = 0
+        self.refused = 0
+        self.quarantined = 0
+        # The outbox's quarantined rows, fleet-wide, as last counted (None before the first count): read at
+        # most once per poll interval, and after every quarantine.
+        self.quarantined_rows: int | None = None
+        self._counted_at: float | None = None
 
     async def __aenter__(self) -> OutboxRelay:
         return self
@@ -120,10 +158,11 @@ class OutboxRelay:
         self._wake.set()
 
     async def run_once(self, stop: asyncio.Event | None = None) -> int:
-        """Publish every row unsent right now, batch after batch, until a batch comes back short (or
-        ``stop`` is set). Returns the number of rows marked sent. Raises PublishFailed when a row was not
-        confirmed (the confirmed rows of that batch are marked sent first) and the broker's or database's
-        error when it could not get that far."""
+        """Publish every row unsent and due right now, batch after batch, until a batch comes back short
+        (or ``stop`` is set). Returns the number of rows marked sent. A row the broker refused is not an
+        error: its refusal is counted (and the row quarantined at its last attempt) and the batches go on.
+        Raises PublishFailed when a row was lost to an outage (the confirmed and refused rows of that batch
+        are recorded first) and the broker's or database's error when it could not get that far."""
         total = 0
         while stop is None or not stop.is_set():
             claimed, sent = await self._relay_batch()
@@ -144,16 +183,64 @@ class OutboxRelay:
                 [Outgoing(outbox_message(r), r.routing_key) for r in batch.rows]
             )
             confirmed = [row.id for row, outcome in zip(batch.rows, outcomes, strict=True) if outcome is None]
+            reasons = {
+                row.id: reason
+                for row, outcome in zip(batch.rows, outcomes, strict=True)
+                if (reason := refusal(outcome)) is not None
+            }
             await batch.mark_sent(confirmed)
+            # In the claiming transaction: a refusal is counted exactly when the batch commits, once.
+            refused = await batch.mark_refused(reasons, self._refusals)
         self.published += len(confirmed)
-        failed = [outcome for outcome in outcomes if outcome is not None]
+        self._note_refusals(refused)
+        # Whatever is neither confirmed nor refused failed by an outage: back off and retry, counting nothing.
+        failed = [outcome for outcome in outcomes if outcome is not None and refusal(outcome) is None]
         log.debug(
             "outbox batch published",
-            extra={"action": "relay_batch", "claimed": len(batch.rows), "sent": len(confirmed)},
+            extra={
+                "action": "relay_batch",
+                "claimed": len(batch.rows),
+                "sent": len(confirmed),
+                "refused": len(refused),
+            },
         )
         if failed:
             raise PublishFailed(f"{len(failed)} of {len(batch.rows)} outbox rows were not confirmed") from failed[0]
         return len(batch.rows), len(confirmed)
+
+    def _note_refusals(self, refused: list[Refused]) -> None:
+        now = asyncio.get_running_loop().time()
+        for row in refused:
+            self.refused += 1
+            facts = {
+                "relay": self._name,
+                "outbox_id": row.id,
+                "message_id": row.message_id,
+                "routing_key": row.routing_key,
+                "attempts": row.attempts,
+                "reason": row.reason,
+            }
+            if row.quarantined:
+                self.quarantined += 1
+                # The count is stale now; the next drain reads it again.
+                self._counted_at = None
+                log.warning(
+                    "outbox row quarantined: the broker refused it every time",
+                    extra={"action": "outbox_quarantined", **facts},
+                )
+            else:
+                log.info("outbox row refused by the broker", extra={"action": "outbox_refused", **facts})
+                if row.retry_in is not None:
+                    due = now + max(0.0, row.retry_in)
+                    self._retry_at = due if self._retry_at is None else min(self._retry_at, due)
+
+    async def _count_quarantined(self) -> None:
+        """Read the quarantined rows' count when the last reading is a poll interval old or stale."""
+        now = asyncio.get_running_loop().time()
+        if self._counted_at is not None and now - self._counted_at < self._poll_seconds:
+            return
+        self.quarantined_rows = await self._outbox.count_quarantined_outbox()
+        self._counted_at = now
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Relay until ``stop`` is set. A stop lets the batch in flight finish (publish, confirm, commit)
@@ -184,6 +271,7 @@ class OutboxRelay:
             async for attempt in retrying(stop, max_backoff=self._max_backoff, before_sleep=self._failed):
                 with attempt:
                     await self.run_once(stop)
+                    await self._count_quarantined()
         except RETRYABLE:
             # Only reached once stop is set (tenacity gives up on nothing else); the rows stay unsent for
             # the next relay.
@@ -198,17 +286,25 @@ class OutboxRelay:
         )
 
     async def _idle(self, stop: asyncio.Event, listener: OutboxListener | None) -> None:
-        """Wait for a notification, the poll interval, or stop, whichever comes first."""
+        """Wait for a notification, the poll interval, a refused row's next attempt, or stop, whichever
+        comes first."""
+        loop = asyncio.get_running_loop()
+        timeout = self._poll_seconds
+        if self._retry_at is not None:
+            timeout = max(0.0, min(timeout, self._retry_at - loop.time()))
         waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._wake.wait())]
         watched: list[asyncio.Task[object]] = [*waits]
         if listener is not None and listener.task is not None:
             watched.append(listener.task)
         try:
-            await asyncio.wait(watched, timeout=self._poll_seconds, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(watched, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in waits:
                 task.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
+        if self._retry_at is not None and self._retry_at <= loop.time():
+            # Due: the drain that follows claims it (a later refusal sets the next one).
+            self._retry_at = None
         if listener is not None and listener.task is not None and listener.task.done():
             # The listener only ends by a bug; say so loudly rather than degrade to polling unnoticed.
             error = listener.task.exception() if not listener.task.cancelled() else None

@@ -11,7 +11,7 @@ continues each run under its stored scope; the relay publishes each event to its
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -70,6 +70,41 @@ def _headers(raw: str | None) -> dict[str, HeaderValue]:
     return {str(k): v for k, v in decoded.items() if isinstance(v, str | int | float | bool)}
 
 
+# How much of the broker's reason a row keeps: enough for any reason RabbitMQ gives (a size, a user, a
+# queue), bounded so that a foreign error text cannot bloat the table.
+LAST_ERROR_CHARS: Final = 500
+
+
+@dataclass(frozen=True)
+class RefusalPolicy:
+    """How the relay treats a row the broker refused: quarantined at its ``max_attempts``-th refusal, and
+    until then tried again after ``first_wait_seconds``, doubled per refusal, at most ``longest_wait_seconds``."""
+
+    max_attempts: int = 5
+    first_wait_seconds: float = 1.0
+    longest_wait_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise InvalidArgument("max_attempts must be at least 1")
+        if self.first_wait_seconds < 0 or self.longest_wait_seconds < 0:
+            raise InvalidArgument("waits must not be negative")
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A row the broker refused, as recorded: its attempts so far, and whether that set it aside."""
+
+    id: int
+    message_id: str
+    routing_key: str
+    attempts: int
+    reason: str
+    quarantined: bool
+    # Seconds until it may be claimed again (None once quarantined).
+    retry_in: float | None
+
+
 class OutboxBatch:
     """Rows locked by the current relay transaction."""
 
@@ -81,6 +116,52 @@ class OutboxBatch:
         """Mark rows sent: call only with the ids whose publisher confirm arrived."""
         if ids:
             await self._con.execute("mark_outbox_sent", list(ids))
+
+    async def mark_refused(self, reasons: Mapping[int, str], policy: RefusalPolicy) -> list[Refused]:
+        """Count one broker refusal for each row of ``reasons`` (id to the broker's reason, kept truncated),
+        quarantining those that reached ``policy.max_attempts``. Call only for refusals of that very row (a
+        nack, a return, a channel closed over it), never for an outage, which would count against every row."""
+        if not reasons:
+            return []
+        ids = list(reasons)
+        found = await self._con.fetch(
+            "refuse_outbox",
+            ids,
+            [reasons[i][:LAST_ERROR_CHARS] for i in ids],
+            policy.max_attempts,
+            policy.first_wait_seconds,
+            policy.longest_wait_seconds,
+        )
+        return [
+            Refused(
+                id=r["id"],
+                message_id=r["message_id"],
+                routing_key=r["routing_key"],
+                attempts=r["attempts"],
+                reason=r["last_error"],
+                quarantined=r["quarantined"],
+                retry_in=r["retry_in"],
+            )
+            for r in found
+        ]
+
+
+@dataclass(frozen=True)
+class OutboxEntry:
+    """An unsent outbox row as operators see it: where it goes and what the broker said of it, not its body."""
+
+    id: int
+    message_id: str
+    routing_key: str
+    # As stored, not parsed into a Scope: a listing must show whatever a foreign writer put there.
+    app: str
+    tenant: str
+    run_id: str | None
+    created_at: datetime
+    attempts: int
+    next_attempt_at: datetime | None
+    quarantined_at: datetime | None
+    last_error: str | None
 
 
 @dataclass(frozen=True)
@@ -215,8 +296,50 @@ class AcrossScopes:
             )
 
     async def count_unsent_outbox(self) -> int:
+        """Rows the relay has yet to publish (quarantined ones are not among them)."""
         async with self.db.connection() as con:
             return int(await con.fetchval("count_unsent_outbox"))
+
+    async def count_quarantined_outbox(self) -> int:
+        async with self.db.connection() as con:
+            return int(await con.fetchval("count_quarantined_outbox"))
+
+    async def list_outbox(self, *, quarantined: bool, limit: int) -> list[OutboxEntry]:
+        """Operators: the quarantined rows, or (``quarantined`` false) the rows the relay still tries, oldest
+        first, at most ``limit``."""
+        if not 1 <= limit <= 10_000:
+            raise InvalidArgument("limit must be between 1 and 10000")
+        async with self.db.connection() as con:
+            found = await con.fetch("list_quarantined_outbox" if quarantined else "list_unsent_outbox", limit)
+        return [
+            OutboxEntry(
+                id=r["id"],
+                message_id=r["message_id"],
+                routing_key=r["routing_key"],
+                app=r["app"],
+                tenant=r["tenant"],
+                run_id=r["run_id"],
+                created_at=r["created_at"],
+                attempts=r["attempts"],
+                next_attempt_at=r["next_attempt_at"],
+                quarantined_at=r["quarantined_at"],
+                last_error=r["last_error"],
+            )
+            for r in found
+        ]
+
+    async def retry_quarantined_outbox(self, ids: Sequence[int] | None) -> list[int]:
+        """Operators: hand quarantined rows back to the relay (``ids``, or every one when None) with their
+        attempts cleared; they go out under their own ``message_id``. Returns the ids retried: an id that is
+        not quarantined (sent, never refused, or retried already) is left alone and not among them. Every
+        relay is woken at the commit."""
+        if ids is not None and not ids:
+            return []
+        async with self.db.transaction() as con:
+            found = await con.fetch("retry_quarantined_outbox", list(ids) if ids is not None else None)
+            if found:
+                await con.fetchval("notify_outbox")
+        return [r["id"] for r in found]
 
     # --- operators ---------------------------------------------------------------------------------
 

@@ -816,7 +816,11 @@ CREATE TABLE public.outbox (
     tenant text NOT NULL,
     run_id text,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
-    sent_at timestamp with time zone
+    sent_at timestamp with time zone,
+    attempts integer DEFAULT 0 NOT NULL,
+    next_attempt_at timestamp with time zone,
+    quarantined_at timestamp with time zone,
+    last_error text
 );
 
 
@@ -1136,10 +1140,17 @@ CREATE INDEX outbox_by_run ON public.outbox USING btree (run_id, id);
 
 
 --
+-- Name: outbox_quarantined; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX outbox_quarantined ON public.outbox USING btree (id) WHERE (quarantined_at IS NOT NULL);
+
+
+--
 -- Name: outbox_unsent; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX outbox_unsent ON public.outbox USING btree (id) WHERE (sent_at IS NULL);
+CREATE INDEX outbox_unsent ON public.outbox USING btree (id) WHERE ((sent_at IS NULL) AND (quarantined_at IS NULL));
 
 
 --
@@ -1270,4 +1281,5 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (2, 'resume', 'bec87437f3b4f3c9f1ec4e09e1cb39ea02256f61075392d9f207f4ff84660791'),
     (3, 'fleet', 'd37fd2f86ca1323859302ab489053e927175db81e64d637e26ca809a47c4547e'),
     (4, 'relayed_sessions', '099aaac3d98fd43c68db4f4b422a7e098b3119e04fe20285a87b98e1e5d0a999'),
-    (5, 'transitions', '43a903d6e79250dedb035012ca53063040abe308c4ae92f74f05b87d06a9e6fe');
+    (5, 'transitions', '43a903d6e79250dedb035012ca53063040abe308c4ae92f74f05b87d06a9e6fe'),
+    (6, 'outbox_quarantine', '3274f70940b8715bc4336dc2b6ae9d310d6feb25cc35abf201641b4d3eb90b1e');

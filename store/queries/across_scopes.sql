@@ -33,10 +33,12 @@ SELECT s.id AS suspension_id, s.run_id, s.app, s.tenant, s.expires_at, r.revisio
 -- claim_unsent_outbox --
 -- The relay's batch: up to $1 unsent outbox rows, oldest first, locked for the caller's transaction.
 -- SKIP LOCKED passes over rows another relay holds, so two relays never publish the same row at the same
--- time and neither waits for the other. $1 limit
+-- time and neither waits for the other. A quarantined row is passed over (the partial index leaves it out),
+-- and so is a refused row until its next attempt is due, so the rows behind them go out. $1 limit
 SELECT id, message_id, routing_key, body, correlation_id, headers
   FROM outbox
- WHERE sent_at IS NULL
+ WHERE sent_at IS NULL AND quarantined_at IS NULL
+   AND (next_attempt_at IS NULL OR next_attempt_at <= now())
  ORDER BY id
  LIMIT $1
    FOR UPDATE SKIP LOCKED;
@@ -48,9 +50,67 @@ UPDATE outbox
    SET sent_at = now()
  WHERE id = ANY($1::bigint[]) AND sent_at IS NULL;
 
+-- refuse_outbox --
+-- Rows the broker refused, in the transaction that claimed them: one more attempt each, with the broker's
+-- reason. A row refused $3 times is quarantined: no claim takes it until an operator retries it. Any other
+-- waits before its next attempt, $4 seconds doubled per earlier refusal and at most $5, so that a queue that
+-- is full for a moment gets that moment, and retrying it never holds up the rows behind it. The exponent is
+-- bounded so that no setting of $3 overflows it. $1 outbox ids (bigint[]), $2 reasons (text[], in the same
+-- order), $3 max attempts, $4 first wait in seconds, $5 longest wait in seconds
+UPDATE outbox o
+   SET attempts = o.attempts + 1,
+       last_error = r.reason,
+       quarantined_at = CASE WHEN o.attempts + 1 >= $3::int THEN now() END,
+       next_attempt_at = CASE
+           WHEN o.attempts + 1 < $3::int
+           THEN now() + make_interval(secs => least($4::float8 * 2 ^ least(o.attempts, 30), $5::float8))
+       END
+  FROM unnest($1::bigint[], $2::text[]) AS r(id, reason)
+ WHERE o.id = r.id AND o.sent_at IS NULL AND o.quarantined_at IS NULL
+RETURNING o.id, o.message_id::text AS message_id, o.routing_key, o.attempts, o.last_error,
+          o.quarantined_at IS NOT NULL AS quarantined,
+          extract(epoch FROM o.next_attempt_at - now())::float8 AS retry_in;
+
 -- count_unsent_outbox --
--- How many outbox rows wait for the relay (drain checks, metrics). No parameters
-SELECT count(*) FROM outbox WHERE sent_at IS NULL;
+-- How many outbox rows wait for the relay, due or not (drain checks, metrics); quarantined rows wait for an
+-- operator instead. No parameters
+SELECT count(*) FROM outbox WHERE sent_at IS NULL AND quarantined_at IS NULL;
+
+-- count_quarantined_outbox --
+-- How many outbox rows are quarantined (the metrics' gauge). No parameters
+SELECT count(*) FROM outbox WHERE quarantined_at IS NOT NULL;
+
+-- list_unsent_outbox --
+-- Operators: the rows the relay still tries, oldest first, with the refusals each has had so far. $1 limit
+SELECT id, message_id::text AS message_id, routing_key, app, tenant, run_id, created_at, attempts,
+       next_attempt_at, quarantined_at, last_error
+  FROM outbox
+ WHERE sent_at IS NULL AND quarantined_at IS NULL
+ ORDER BY id
+ LIMIT $1;
+
+-- list_quarantined_outbox --
+-- Operators: the quarantined rows, oldest first, with why the broker refused them. $1 limit
+SELECT id, message_id::text AS message_id, routing_key, app, tenant, run_id, created_at, attempts,
+       next_attempt_at, quarantined_at, last_error
+  FROM outbox
+ WHERE quarantined_at IS NOT NULL
+ ORDER BY id
+ LIMIT $1;
+
+-- retry_quarantined_outbox --
+-- Operators: quarantined rows handed back to the relay with a clean count (their message_id, body and
+-- last_error stay as they are, so a re-publication is the same event and the last refusal stays readable
+-- until the next one). $1 outbox ids (bigint[]; NULL: every quarantined row)
+UPDATE outbox
+   SET quarantined_at = NULL, attempts = 0, next_attempt_at = NULL
+ WHERE quarantined_at IS NOT NULL AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
+RETURNING id;
+
+-- notify_outbox --
+-- Wakes every relay at commit, as the insert trigger does: rows made sendable by an UPDATE (a retry) fire
+-- no trigger. No parameters
+SELECT pg_notify('intermission_outbox', '');
 
 -- count_running --
 -- How many runs are running, and how many of those hold a live lease. No parameters.

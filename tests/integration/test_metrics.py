@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import urllib.request
 import uuid
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from intermission.agent.loop import default_executor
 from intermission.fleet.worker import running_worker
@@ -20,29 +16,8 @@ from intermission.schemas.script import ScriptTurn
 from intermission.store import Stores
 from tests.support.amqp import DELIVERY_LIMIT, Broker, Vhost
 from tests.support.fleet import fast_settings
+from tests.support.metrics import free_port, samples, scrape
 from tests.support.waiting import eventually
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a scrape by (name, sorted labels)."""
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        body: bytes = response.read()
-        return body.decode()
 
 
 async def test_a_worker_counts_commands_and_runs(

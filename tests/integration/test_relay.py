@@ -15,7 +15,6 @@ import aio_pika
 import asyncpg
 import pytest
 
-from intermission.publishers.amqp import PublishFailed
 from intermission.publishers.relay import OutboxRelay
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
@@ -44,6 +43,18 @@ async def outbox_rows(database_url: str) -> list[asyncpg.Record]:
         return await con.fetch(
             "SELECT id, message_id::text AS message_id, routing_key, body, correlation_id, headers::text AS headers,"
             "       sent_at FROM outbox ORDER BY id"
+        )
+    finally:
+        await con.close()
+
+
+async def refusals(database_url: str) -> list[asyncpg.Record]:
+    """The rows the broker refused at least once."""
+    con = await asyncpg.connect(database_url)
+    try:
+        return await con.fetch(
+            "SELECT message_id::text AS message_id, attempts, last_error, quarantined_at FROM outbox"
+            " WHERE attempts > 0 ORDER BY id"
         )
     finally:
         await con.close()
@@ -137,7 +148,7 @@ async def test_relay_publishes_every_unsent_row_with_its_stable_message_id_and_m
     assert Counter(seen.ids()) == Counter(r["message_id"] for r in rows)
 
 
-async def test_relay_leaves_a_nacked_row_unsent_and_republishes_it_later_under_the_same_id(
+async def test_relay_counts_a_nacked_row_leaves_it_unsent_and_republishes_it_later_under_the_same_id(
     stores: Stores,
     database_url: str,
     scope: Scope,
@@ -162,17 +173,29 @@ async def test_relay_leaves_a_nacked_row_unsent_and_republishes_it_later_under_t
     rows = await outbox_rows(database_url)
     blocked_id = next(r["message_id"] for r in rows if r["routing_key"].endswith(other_scope.tenant))
 
-    relay = await new_relay(stores.db, amqp_url, amqp_connect, relays)
-    with pytest.raises(PublishFailed):
-        await relay.run_once()
+    relay = await new_relay(stores.db, amqp_url, amqp_connect, relays, refusal_wait_seconds=0.2)
+    # A refusal is not an outage: the batch goes through without an error.
+    assert await relay.run_once() == 2
 
-    # Confirmed rows are marked sent; the nacked one is not.
+    # Confirmed rows are marked sent; the nacked one is not, and carries one refusal with the broker's word.
     assert await unsent_ids(database_url) == {blocked_id}
     assert relay.published == 2
+    assert relay.refused == 1
+    (refused,) = await refusals(database_url)
+    assert refused["message_id"] == blocked_id
+    assert refused["attempts"] == 1
+    assert "basic.nack" in refused["last_error"]
+    assert refused["quarantined_at"] is None
 
     await blocker.delete(if_unused=False, if_empty=False)
-    assert await relay.run_once() == 1
-    assert await unsent_ids(database_url) == set()
+
+    # Once its wait is over (by the database clock), the next pass publishes it.
+    async def sent_again() -> bool:
+        await relay.run_once()
+        return not await unsent_ids(database_url)
+
+    await eventually(sent_again, what="the nacked row published once its wait was over")
+    assert relay.published == 3
     # The re-publication carries the row's own message_id. (The nacked attempt also reached the queues
     # that accepted it, so this subscriber sees that id twice: a duplicate only ever follows a failure.)
     got = await seen.wait_for(

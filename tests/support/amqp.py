@@ -35,7 +35,7 @@ from typing import Any
 
 import aio_pika
 import pytest
-from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
 from yarl import URL
 
 from intermission.publishers.amqp import connect
@@ -285,6 +285,11 @@ class Capture:
         self.messages: list[Captured] = []
         self._changed = asyncio.Condition()
 
+    async def consume(self, queue: AbstractQueue) -> None:
+        """Record (and acknowledge) what ``queue`` holds and receives from now on: a queue the test made
+        for other reasons, such as a subscriber's queue."""
+        await queue.consume(self._arrived)
+
     async def _arrived(self, message: AbstractIncomingMessage) -> None:
         await message.ack()
         self.messages.append(
@@ -343,7 +348,7 @@ async def capture(amqp_connect: ConnectionFactory) -> CaptureFactory:
         for key in keys:
             await queue.bind(exchange, key)
         recorder = Capture()
-        await queue.consume(recorder._arrived)
+        await recorder.consume(queue)
         return recorder
 
     return make
