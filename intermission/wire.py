@@ -33,6 +33,7 @@ from typing import Any, Final
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue, FieldValue
+from pamqp.encode import field_table
 from pydantic import BaseModel
 
 from intermission.schemas.events import CommandRejected, RunEventKind
@@ -57,8 +58,12 @@ MAX_DETAIL_CHARS: Final = 1000
 # What an AMQP header table holds here: scalars only (the schema version, a traceparent, an error code).
 HeaderValue = str | int | bool | float
 
-# An AMQP short string (message_id, correlation_id, type) holds at most this many bytes of UTF-8.
+# An AMQP short string (message_id, correlation_id, type, a routing key) holds at most this many bytes of
+# UTF-8.
 MAX_SHORT_STRING_BYTES: Final = 255
+# A message's properties travel in one frame, and RabbitMQ's frames are 128 KiB by default: a header table
+# near that makes the broker close the whole connection (FRAME_ERROR), which looks like an outage.
+MAX_HEADER_BYTES: Final = 64 * 1024
 
 # --- exchanges, queues, routing keys ------------------------------------------------------------------
 
@@ -188,6 +193,26 @@ def rejection_message(rejection: CommandRejected) -> aio_pika.Message:
         routing_key=rejected_key(rejection.scope),
         correlation_id=refused or None,
     )
+
+
+def wire_problem(outgoing: aio_pika.Message, routing_key: str) -> str | None:
+    """Why ``outgoing`` cannot be put on the wire as it is (None: it can). The AMQP client would raise
+    for these, or the broker drop the connection, before any broker could refuse the message itself."""
+    for name, value in (
+        ("routing key", routing_key),
+        ("message_id", outgoing.message_id),
+        ("correlation_id", outgoing.correlation_id),
+        ("type", outgoing.type),
+    ):
+        if value is not None and len(value.encode()) > MAX_SHORT_STRING_BYTES:
+            return f"its {name} is over {MAX_SHORT_STRING_BYTES} bytes"
+    try:
+        size = len(field_table(outgoing.headers))
+    except (TypeError, ValueError) as exc:
+        return f"its headers cannot be encoded: {exc}"
+    if size > MAX_HEADER_BYTES:
+        return f"its headers are {size} bytes, over {MAX_HEADER_BYTES}"
+    return None
 
 
 def wire_safe(value: object) -> FieldValue:

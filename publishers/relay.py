@@ -59,7 +59,7 @@ from intermission.publishers.amqp import (
 from intermission.store.across_scopes import AcrossScopes, OutboxRow, RefusalPolicy, Refused
 from intermission.store.db import Database
 from intermission.store.notifications import OutboxListener
-from intermission.wire import EVENTS_EXCHANGE, message
+from intermission.wire import EVENTS_EXCHANGE, message, wire_problem
 
 log = logging.getLogger("intermission.relay")
 
@@ -179,13 +179,20 @@ class OutboxRelay:
         async with self._outbox.claim_outbox(self._batch_size) as batch:
             if not batch.rows:
                 return 0, 0
-            outcomes = await self._publisher.publish_all(
-                [Outgoing(outbox_message(r), r.routing_key) for r in batch.rows]
-            )
-            confirmed = [row.id for row, outcome in zip(batch.rows, outcomes, strict=True) if outcome is None]
-            reasons = {
+            messages = [outbox_message(r) for r in batch.rows]
+            # A row no client could send (a foreign writer's key over 255 bytes, headers past a frame) is
+            # refused here, as the broker would refuse it: it must not fail the whole batch every time.
+            unsendable = {
+                row.id: f"cannot be put on the wire: {problem}"
+                for row, m in zip(batch.rows, messages, strict=True)
+                if (problem := wire_problem(m, row.routing_key)) is not None
+            }
+            sending = [(row, m) for row, m in zip(batch.rows, messages, strict=True) if row.id not in unsendable]
+            outcomes = await self._publisher.publish_all([Outgoing(m, row.routing_key) for row, m in sending])
+            confirmed = [row.id for (row, _), outcome in zip(sending, outcomes, strict=True) if outcome is None]
+            reasons = unsendable | {
                 row.id: reason
-                for row, outcome in zip(batch.rows, outcomes, strict=True)
+                for (row, _), outcome in zip(sending, outcomes, strict=True)
                 if (reason := refusal(outcome)) is not None
             }
             await batch.mark_sent(confirmed)

@@ -487,3 +487,27 @@ async def test_a_worker_quarantines_at_its_setting_and_its_metrics_say_so(
     assert entry.routing_key == notice_key(SuspendReason.EXTERNAL_TOOL, scope)
     assert entry.run_id == run_id
     assert entry.attempts == 2
+
+
+async def test_a_row_no_client_could_send_is_refused_and_quarantined_without_failing_its_batch(
+    stores: Stores,
+    database_url: str,
+    scope: Scope,
+    amqp_url: str,
+    amqp_connect: ConnectionFactory,
+    capture: CaptureFactory,
+    relays: list[OutboxRelay],
+) -> None:
+    # A foreign writer's row: a routing key over AMQP's 255 bytes, which the client would raise on before
+    # the broker saw anything (the whole batch failing with it, every time).
+    received = await capture(amqp_url, EVENTS_EXCHANGE, every_key_of(scope))
+    relay = await new_relay(stores.db, await amqp_connect(amqp_url, "relay"), relays, max_attempts=1)
+    good = run_events(scope, 3, "fine")
+    bad = outbox.OutboxEvent(routing_key="run.completed." + "k" * 300, body="{}")
+    ids = await support_outbox.insert(stores, scope, good[0], bad, *good[1:])
+    assert await relay.run_once() == 3
+    await received.wait_ids({ids[0], *ids[2:]})
+    rows = await outbox_rows(database_url)
+    assert rows[ids[1]]["sent_at"] is None
+    assert rows[ids[1]]["quarantined_at"] is not None
+    assert rows[ids[1]]["last_error"] == "cannot be put on the wire: its routing key is over 255 bytes"
