@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
+from typing import Self
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, model_validator
 
-from intermission.schemas.base import Model
+from intermission.schemas.base import Model, legacy_schema_version
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.ids import CheckpointId, RunId, SuspensionId
 from intermission.schemas.llm import Message, ToolOutcome, ToolResult, Usage
@@ -92,6 +93,12 @@ class Continuation(Model):
     session_id: str = ""
     # The resolved configuration the run was executing under; a resume never re-merges the agent's.
     config: RunConfig = Field(default_factory=RunConfig)
+
+    # A stored continuation without ``schema_version`` was written before versions existed: legacy 0, not
+    # the current version this model's default would make of it.
+    @model_validator(mode="after")
+    def _legacy(self, info: ValidationInfo) -> Self:
+        return legacy_schema_version(self, info)
 
 
 class Suspension(Model):

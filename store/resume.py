@@ -217,7 +217,7 @@ def _expiry(row: asyncpg.Record) -> ResumeExpiry:
 
 def _closure(row: asyncpg.Record) -> ResumeClosure:
     return ResumeClosure(
-        request=ResumeClosureRequest.model_validate_json(row["request"]),
+        request=rows.load_model(ResumeClosureRequest, row["request"], "closure request"),
         request_digest=row["request_digest"],
         event_id=row["event_id"],
         run_revision=row["run_revision"],
