@@ -95,10 +95,12 @@ def new_run(cmd: StartCommand, defaults: RunDefaults) -> NewRun:
 
 @dataclass(frozen=True)
 class Stored:
-    """The run and its live pause as the command's first read found them (None where absent)."""
+    """The run and its live pause as the command's first read found them (None where absent), and the
+    state of the checkpoint a decision names (None when it names none of this run's)."""
 
     run: Run | None
     pause: Suspension | None
+    checkpoint_state: str | None = None
 
     def pause_pinned(self, scope: Scope, version: ClaimVersion) -> Suspension:
         """The live pause ``version`` names, or why there is none to answer."""
@@ -186,6 +188,10 @@ class CommandStore:
         """An approval decision. ``principal`` is the broker-validated sender, never the body's word."""
 
         def check(scope: Scope, stored: Stored) -> Answer:
+            if stored.checkpoint_state not in (None, "pending"):
+                # The original: a decision on a checkpoint that is no longer pending is invalid_state, even
+                # though its pause is gone by now (which alone would read as not_suspended).
+                raise InvalidState(f"checkpoint {cmd.checkpoint_id} is no longer pending: {stored.checkpoint_state}")
             pause = stored.pause_pinned(scope, cmd.version)
             check_authority(Source.DECISION, pause)
             if pause.checkpoint_id != cmd.checkpoint_id:
@@ -199,7 +205,9 @@ class CommandStore:
                 decision=Decided(cmd.checkpoint_id, state, principal, cmd.reason),
             )
 
-        return await self._answer(cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check)
+        return await self._answer(
+            cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check, checkpoint_id=cmd.checkpoint_id
+        )
 
     async def expire(
         self, cmd: ExpireCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
@@ -246,6 +254,8 @@ class CommandStore:
         receipt: Receipt | None,
         correlation_id: str | None,
         check: Callable[[Scope, Stored], Answer],
+        *,
+        checkpoint_id: int | None = None,
     ) -> Claimed:
         scope = require_scope(scope)
         check_lease(lease)
@@ -256,6 +266,7 @@ class CommandStore:
                 scope.app,
                 scope.tenant,
                 receipt.message_id if receipt is not None else None,
+                checkpoint_id,
             )
             assert row is not None  # the read always returns its one row
             if receipt is not None:
@@ -263,6 +274,7 @@ class CommandStore:
             stored = Stored(
                 run=rows.run_from_row(row["run"]) if row["run"] is not None else None,
                 pause=rows.suspension_from_row(row["pause"]) if row["pause"] is not None else None,
+                checkpoint_state=row["k_state"],
             )
             answer = check(scope, stored)
             version = answer.version
