@@ -649,13 +649,13 @@ BEGIN
            SET lease_owner = p_owner, lease_expires_at = now() + make_interval(secs => p_lease_ttl),
                updated_at = now()
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
-           AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
+           AND r.lease_expires_at <= now()
         RETURNING ARRAY[r.id] INTO v_taken;
     ELSE
         WITH lapsed AS (
             SELECT r.id FROM runs r
-             WHERE r.state = 'running' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
-             ORDER BY r.lease_expires_at NULLS FIRST
+             WHERE r.state = 'running' AND r.lease_expires_at <= now()
+             ORDER BY r.lease_expires_at
              LIMIT p_limit
                FOR UPDATE SKIP LOCKED
         ), moved AS (
@@ -1270,4 +1270,4 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (2, 'resume', 'bec87437f3b4f3c9f1ec4e09e1cb39ea02256f61075392d9f207f4ff84660791'),
     (3, 'fleet', 'd37fd2f86ca1323859302ab489053e927175db81e64d637e26ca809a47c4547e'),
     (4, 'relayed_sessions', '099aaac3d98fd43c68db4f4b422a7e098b3119e04fe20285a87b98e1e5d0a999'),
-    (5, 'transitions', '43a903d6e79250dedb035012ca53063040abe308c4ae92f74f05b87d06a9e6fe');
+    (5, 'transitions', 'f7c877d830057f9af758cdd2951ee5dc648584186968f384c93749f0cbbe8981');

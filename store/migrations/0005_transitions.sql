@@ -457,12 +457,16 @@ BEGIN
 END;
 $$;
 
--- A takeover: a running run whose lease lapsed (or that holds none) passes to p_owner under a new lease,
--- with its progress snapshot: adopted as it stands, or replaced by the first snapshot when
--- p_first_continuation is set. The revision does not change: a lease is not a state. With p_run_id set,
--- that run at that exact scope (ClaimContinuationLeased): a takeover racing the holder's last write waits
--- for it and re-checks. Without, up to p_limit lapsed runs of EVERY scope, skipping rows another worker is
--- taking right now (the reclaim sweep).
+-- A takeover: a running run whose lease lapsed passes to p_owner under a new lease, with its progress
+-- snapshot: adopted as it stands, or replaced by the first snapshot when p_first_continuation is set. The
+-- revision does not change: a lease is not a state. With p_run_id set, that run at that exact scope
+-- (ClaimContinuationLeased): a takeover racing the holder's last write waits for it and re-checks.
+-- Without, up to p_limit lapsed runs of EVERY scope, skipping rows another worker is taking right now (the
+-- reclaim sweep).
+--
+-- Only a lease that LAPSED is taken (lease_expires_at <= now(), so never NULL): a run the original's plain
+-- claim moved to running holds no lease at all, and belongs to that claimer, who never promised to renew
+-- anything. Adopting it as "lapsed" would run its continuation a second time beside the claimer's.
 CREATE FUNCTION intermission_take_over_v1(
     p_owner text, p_lease_ttl float8, p_limit integer,
     p_run_id text, p_app text, p_tenant text,
@@ -477,13 +481,13 @@ BEGIN
            SET lease_owner = p_owner, lease_expires_at = now() + make_interval(secs => p_lease_ttl),
                updated_at = now()
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
-           AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
+           AND r.lease_expires_at <= now()
         RETURNING ARRAY[r.id] INTO v_taken;
     ELSE
         WITH lapsed AS (
             SELECT r.id FROM runs r
-             WHERE r.state = 'running' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
-             ORDER BY r.lease_expires_at NULLS FIRST
+             WHERE r.state = 'running' AND r.lease_expires_at <= now()
+             ORDER BY r.lease_expires_at
              LIMIT p_limit
                FOR UPDATE SKIP LOCKED
         ), moved AS (
