@@ -41,6 +41,7 @@ from intermission.schemas.commands import (
 from intermission.schemas.errors import (
     InvalidArgument,
     InvalidState,
+    MessageIdConflict,
     NotSuspended,
     ResumeAdmissionNotFound,
     RunConflict,
@@ -321,7 +322,9 @@ class CommandStore:
         progress = answer.first.model_copy(update={"scope": scope, "updated_at": result["first_updated_at"]})
         return Claimed(run=run, progress=progress, suspension=answer.suspension, correlation_id=correlation_id)
 
-    async def reply(self, cmd: ReplyCommand, lease: Lease, *, correlation_id: str | None = None) -> Claimed | None:
+    async def reply(
+        self, cmd: ReplyCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
+    ) -> Claimed | None:
         """The messaging bus's reply to an ``agent_reply`` pause (the caller has checked that the sender IS
         the bus). Admit (claim the pause, keep the input bytes exactly, take the lease, write the first
         snapshot, announce run.resumed), then start (the single grant of execution).
@@ -329,9 +332,13 @@ class CommandStore:
         A redelivered reply is the identical admission request: it gets the stored admission back and the
         start is granted at most once, so a reply interrupted between admit and start is finished by its
         redelivery, and one that started is not run again (None). The admission is the reply's idempotency
-        record: a different reply for the same pause is resume_admission_conflict.
+        record: a different reply for the same pause is resume_admission_conflict. Its ``receipt`` is
+        recorded in the inbox with the admission too, so that its message_id can never stand for another
+        command: a message_id recorded for a different body is message_id_conflict, whatever the pause.
         """
         scope = require_scope(cmd.scope)
+        if receipt is not None:
+            await self._refuse_reused_message_id(receipt)
         evidence = ResumeStore(self.db, scope)
         request = ResumeAdmissionRequest(scope=scope, version=cmd.version, input=cmd.input.encode("utf-8"))
         try:
@@ -344,7 +351,7 @@ class CommandStore:
         check_authority(Source.BUS, suspension)
         first = reply_progress(suspension, cmd.reply_with, cmd.input, lease.owner)
         admission = await evidence.admit_resume_leased(
-            request, lease, first, correlation_id=correlation_id, pause=suspension
+            request, lease, first, correlation_id=correlation_id, pause=suspension, receipt=receipt
         )
         started = await evidence.start_resume_leased(
             cmd.version.run_id, cmd.version.suspension_id, admission.request_digest, lease, first
@@ -357,6 +364,15 @@ class CommandStore:
             suspension=started.suspension,
             correlation_id=correlation_id,
         )
+
+    async def _refuse_reused_message_id(self, receipt: Receipt) -> None:
+        """MessageIdConflict when ``receipt``'s message_id is recorded for a different command. Recorded for
+        this very command it is no refusal here: a reply's redelivery goes on to its admission, which it
+        finds, and to the start its first delivery may not have reached."""
+        async with self.db.connection() as con:
+            row = await con.fetchrow("recorded_command", receipt.message_id)
+        if row is not None and (row["body_digest"], row["routing_key"]) != (receipt.body_digest, receipt.routing_key):
+            raise MessageIdConflict(f"message_id {receipt.message_id} was used for a different command")
 
     @staticmethod
     async def _raise_if_admitted(

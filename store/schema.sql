@@ -70,15 +70,20 @@ CREATE TABLE public.resume_admissions (
 
 
 --
--- Name: intermission_admit_resume_v1(text, text, text, bigint, bigint, text, double precision, jsonb, jsonb, integer, bytea, text, text, uuid, text, text, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
+-- Name: intermission_admit_resume_v1(text, text, text, bigint, bigint, text, double precision, jsonb, jsonb, integer, bytea, text, text, text, text, text, uuid, text, text, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.intermission_admit_resume_v1(p_run_id text, p_app text, p_tenant text, p_suspension_id bigint, p_revision bigint, p_lease_owner text, p_lease_ttl double precision, p_first_continuation jsonb, p_first_done jsonb, p_schema_version integer, p_input bytea, p_request_digest text, p_suspension_digest text, p_event_message_id uuid, p_event_routing_key text, p_event_body text, p_event_correlation_id text, p_event_headers jsonb, OUT outcome text, OUT admission public.resume_admissions, OUT revision bigint, OUT suspension_id bigint, OUT expires_at timestamp with time zone) RETURNS record
+CREATE FUNCTION public.intermission_admit_resume_v1(p_run_id text, p_app text, p_tenant text, p_suspension_id bigint, p_revision bigint, p_lease_owner text, p_lease_ttl double precision, p_first_continuation jsonb, p_first_done jsonb, p_schema_version integer, p_input bytea, p_request_digest text, p_suspension_digest text, p_message_id text, p_routing_key text, p_digest text, p_event_message_id uuid, p_event_routing_key text, p_event_body text, p_event_correlation_id text, p_event_headers jsonb, OUT outcome text, OUT admission public.resume_admissions, OUT revision bigint, OUT suspension_id bigint, OUT expires_at timestamp with time zone) RETURNS record
     LANGUAGE plpgsql
     AS $$
 DECLARE
     v_claim record;
 BEGIN
+    IF p_message_id IS NOT NULL AND EXISTS (SELECT 1 FROM inbox i WHERE i.message_id = p_message_id)
+       AND intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest) = 'message_id_conflict' THEN
+        outcome := 'message_id_conflict';
+        RETURN;
+    END IF;
     FOR attempt IN 1..2 LOOP
         SELECT a.* INTO admission FROM resume_admissions a
          WHERE a.run_id = p_run_id AND a.suspension_id = p_suspension_id AND a.app = p_app
@@ -100,7 +105,7 @@ BEGIN
             p_first => p_first_continuation IS NOT NULL, p_first_continuation => p_first_continuation,
             p_first_started => NULL, p_first_done => p_first_done, p_first_ending => NULL,
             p_first_approved => NULL, p_drop_pause => false,
-            p_message_id => NULL, p_routing_key => NULL, p_digest => NULL,
+            p_message_id => p_message_id, p_routing_key => p_routing_key, p_digest => p_digest,
             p_checkpoint_id => NULL, p_checkpoint_state => NULL, p_decided_by => NULL, p_decision_reason => NULL,
             p_event_message_id => p_event_message_id, p_event_routing_key => p_event_routing_key,
             p_event_body => p_event_body, p_event_correlation_id => p_event_correlation_id,
@@ -111,8 +116,13 @@ BEGIN
         suspension_id := v_claim.suspension_id;
         expires_at := v_claim.expires_at;
         EXIT WHEN outcome = 'claimed';
-        -- Lost or refused: perhaps because this pause was admitted meanwhile (by this request's earlier
-        -- attempt, or by a rival that won the row lock; its admission is committed by now). Look again.
+        IF outcome = 'message_id_conflict' THEN
+            -- A rival with this message_id but another body committed first.
+            RETURN;
+        END IF;
+        -- Lost or refused ('duplicate' included: this very reply, delivered twice at once, committed first):
+        -- perhaps because this pause was admitted meanwhile (by this request's earlier attempt, or by a rival
+        -- that won the row lock; its admission is committed by now). Look again.
     END LOOP;
 
     INSERT INTO resume_admissions (run_id, suspension_id, app, tenant, schema_version, pinned_revision, input,
@@ -1270,4 +1280,4 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (2, 'resume', 'bec87437f3b4f3c9f1ec4e09e1cb39ea02256f61075392d9f207f4ff84660791'),
     (3, 'fleet', 'd37fd2f86ca1323859302ab489053e927175db81e64d637e26ca809a47c4547e'),
     (4, 'relayed_sessions', '099aaac3d98fd43c68db4f4b422a7e098b3119e04fe20285a87b98e1e5d0a999'),
-    (5, 'transitions', 'f7c877d830057f9af758cdd2951ee5dc648584186968f384c93749f0cbbe8981');
+    (5, 'transitions', '5e33063ebdde4a0e67a47ff5fa4485bfeab92a8f72dcd6ab244d759e8489738f');

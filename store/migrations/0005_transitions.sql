@@ -522,11 +522,18 @@ $$;
 -- its request digest is p_request_digest, or is 'resume_admission_conflict', and takes nothing, even if
 -- some writer has since put the run back on this very pause. A claim that loses to a rival admission of
 -- the same pause gets that admission back the same way. Other refusals are the claim's outcomes.
+--
+-- p_message_id ... is the delivering command's inbox record (run.reply), written with the claim. A
+-- message_id recorded for a DIFFERENT command is 'message_id_conflict' before anything else, even when the
+-- pause was admitted since: the same id must not stand for two requests. Recorded for this very reply, it
+-- is no refusal: the reply's idempotency record is its admission, and a redelivery must still be able to
+-- reach the start its first delivery did not.
 CREATE FUNCTION intermission_admit_resume_v1(
     p_run_id text, p_app text, p_tenant text, p_suspension_id bigint, p_revision bigint,
     p_lease_owner text, p_lease_ttl float8,
     p_first_continuation jsonb, p_first_done jsonb,
     p_schema_version integer, p_input bytea, p_request_digest text, p_suspension_digest text,
+    p_message_id text, p_routing_key text, p_digest text,
     p_event_message_id uuid, p_event_routing_key text, p_event_body text, p_event_correlation_id text,
     p_event_headers jsonb,
     OUT outcome text, OUT admission resume_admissions,
@@ -535,6 +542,11 @@ CREATE FUNCTION intermission_admit_resume_v1(
 DECLARE
     v_claim record;
 BEGIN
+    IF p_message_id IS NOT NULL AND EXISTS (SELECT 1 FROM inbox i WHERE i.message_id = p_message_id)
+       AND intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest) = 'message_id_conflict' THEN
+        outcome := 'message_id_conflict';
+        RETURN;
+    END IF;
     FOR attempt IN 1..2 LOOP
         SELECT a.* INTO admission FROM resume_admissions a
          WHERE a.run_id = p_run_id AND a.suspension_id = p_suspension_id AND a.app = p_app
@@ -556,7 +568,7 @@ BEGIN
             p_first => p_first_continuation IS NOT NULL, p_first_continuation => p_first_continuation,
             p_first_started => NULL, p_first_done => p_first_done, p_first_ending => NULL,
             p_first_approved => NULL, p_drop_pause => false,
-            p_message_id => NULL, p_routing_key => NULL, p_digest => NULL,
+            p_message_id => p_message_id, p_routing_key => p_routing_key, p_digest => p_digest,
             p_checkpoint_id => NULL, p_checkpoint_state => NULL, p_decided_by => NULL, p_decision_reason => NULL,
             p_event_message_id => p_event_message_id, p_event_routing_key => p_event_routing_key,
             p_event_body => p_event_body, p_event_correlation_id => p_event_correlation_id,
@@ -567,8 +579,13 @@ BEGIN
         suspension_id := v_claim.suspension_id;
         expires_at := v_claim.expires_at;
         EXIT WHEN outcome = 'claimed';
-        -- Lost or refused: perhaps because this pause was admitted meanwhile (by this request's earlier
-        -- attempt, or by a rival that won the row lock; its admission is committed by now). Look again.
+        IF outcome = 'message_id_conflict' THEN
+            -- A rival with this message_id but another body committed first.
+            RETURN;
+        END IF;
+        -- Lost or refused ('duplicate' included: this very reply, delivered twice at once, committed first):
+        -- perhaps because this pause was admitted meanwhile (by this request's earlier attempt, or by a rival
+        -- that won the row lock; its admission is committed by now). Look again.
     END LOOP;
 
     INSERT INTO resume_admissions (run_id, suspension_id, app, tenant, schema_version, pinned_revision, input,

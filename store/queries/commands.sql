@@ -11,3 +11,7 @@ SELECT r AS run, s AS pause, i.routing_key AS i_routing_key, i.body_digest AS i_
   LEFT JOIN suspensions s ON s.run_id = r.id AND s.app = r.app AND s.tenant = r.tenant
   LEFT JOIN inbox i ON i.message_id = $4
   LEFT JOIN checkpoints k ON k.id = $5::bigint AND k.run_id = r.id AND k.app = r.app AND k.tenant = r.tenant;
+
+-- recorded_command --
+-- What the inbox recorded for a message_id, if anything. $1 message_id
+SELECT routing_key, body_digest, outcome FROM inbox WHERE message_id = $1;
