@@ -577,7 +577,7 @@ class ResumeStore:
             error = INCOMPLETE_ERROR.format(suspension_id=suspension_id, proof_ref=frozen.proof_ref)
             event_id = uuid.uuid4()
             # No lease: the closure holds the run's row lock and binds the revision it just checked.
-            revision = await con.fetchval(
+            ended = await con.fetchrow(
                 "end_run",
                 owner=None,
                 at_revision=frozen.run_revision,
@@ -605,6 +605,8 @@ class ResumeStore:
                     },
                 ),
             )
+            assert ended is not None
+            revision = ended["revision"]
             assert revision is not None  # locked, running, at the bound revision: checked above
             closed_at = await con.fetchval(
                 "resume_insert_closure",

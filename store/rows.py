@@ -93,6 +93,7 @@ def run_from_row(row: asyncpg.Record, prefix: str = "") -> Run:
         return row[prefix + name]
 
     script_raw = col("script")
+    ending_raw = col("ending")
     return Run(
         id=col("id"),
         scope=Scope(app=col("app"), tenant=col("tenant")),
@@ -110,6 +111,7 @@ def run_from_row(row: asyncpg.Record, prefix: str = "") -> Run:
         pause_ttl_seconds=col("pause_ttl_seconds"),
         step_count=col("step_count"),
         tokens_used=col("tokens_used"),
+        ending=None if ending_raw is None else load_model(Ending, ending_raw, "run ending"),
         created_at=col("created_at"),
         updated_at=col("updated_at"),
     )

@@ -15,3 +15,12 @@ SELECT r AS run, s AS pause, i.routing_key AS i_routing_key, i.body_digest AS i_
 -- recorded_command --
 -- What the inbox recorded for a message_id, if anything. $1 message_id
 SELECT routing_key, body_digest, outcome FROM inbox WHERE message_id = $1;
+
+-- request_ending --
+-- A cancel of a running run (intermission_request_ending_v1): the ending recorded for its lease holder to
+-- finish, with the command's inbox record. One row: the outcome, and the run's revision and lease owner.
+-- writes: inbox
+SELECT q.outcome, q.revision, q.lease_owner
+  FROM intermission_request_ending_v1(
+    p_run_id => $1, p_app => $2, p_tenant => $3, p_ending => $4, p_message_id => $5, p_routing_key => $6,
+    p_digest => $7) AS q;

@@ -76,7 +76,7 @@ continuations = st.builds(
     usage=st.builds(Usage, input_tokens=anyint, output_tokens=anyint, total_tokens=anyint, tool_calls=anyint),
     messages=st.lists(messages, max_size=4),
     system_prompt=text,
-    step_index=anyint,
+    step_index=small,  # the run row's step count (an integer column) bounds it
     tokens_used=anyint,
     new_messages_from=anyint,
     session_id=text,
