@@ -200,6 +200,12 @@ class MaxStepsReached(PermanentError):
     code = "max_steps_reached"
 
 
+class MaxToolCallsReached(PermanentError):
+    """The run asked for more tool calls than its budget allows (``budget.max_tool_calls``)."""
+
+    code = "max_tool_calls_reached"
+
+
 class InvalidArgument(PermanentError):
     """An argument is out of range or malformed."""
 
@@ -236,6 +242,7 @@ ALL_ERRORS: tuple[type[IntermissionError], ...] = (
     VersionClaimUnavailable,
     InvalidContinuation,
     MaxStepsReached,
+    MaxToolCallsReached,
     InvalidArgument,
 )
 
