@@ -24,7 +24,11 @@ class PublicationPolicy(Model):
 
 
 class Budget(Model):
-    """Spending limits (the original's execution.Budget). 0 means unlimited."""
+    """Spending limits of a whole run (the original's execution.Budget).
+
+    ``max_total_tokens`` 0 means unlimited. ``max_tool_calls`` 0 in a start means the worker's default
+    (``INTERMISSION_MAX_TOOL_CALLS``), which the start writes into the stored config; a stored 0 (a run
+    started before the default existed) is unlimited."""
 
     max_total_tokens: int = Field(default=0, ge=0)
     max_tool_calls: int = Field(default=0, ge=0)
