@@ -7,12 +7,17 @@ the run's step count at the moment a cancel was recorded, so the assertions do n
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ClassVar
 
 import pytest
 
+from intermission.agent.loop import AgentLoop
+from intermission.agent.model import ScriptedModel
+from intermission.agent.tools import Tool, ToolEnv, ToolRegistry, demo_tools
+from intermission.fleet.runtime import Fleet
 from intermission.fleet.worker import Worker as FullWorker
 from intermission.publishers.clients import HostClient
 from intermission.schemas.commands import CancelCommand, StartCommand
@@ -25,6 +30,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.store import Stores
 from tests.integration.test_messaging import next_event, run_event
+from tests.support.control import LocalControl
 from tests.support.fleet import Worker, charges, fast_settings, outbox_keys, start_command, worker
 from tests.support.inspect import Inspector
 from tests.support.waiting import eventually
@@ -220,3 +226,50 @@ async def test_the_run_row_counts_are_right_after_every_boundary(stores: Stores,
     ended = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (ended.state, ended.output, ended.step_count) == (RunState.COMPLETED, "done", 3)
     assert ended.tokens_used > run.tokens_used  # the final turn's tokens too
+
+
+class Tick(Tool):
+    """Retry-safe and slow, and it leaves a trace this test can count: one entry per handler call."""
+
+    name = "tick"
+    calls: ClassVar[list[str]] = []
+
+    async def run(self, arguments: dict[str, Any], env: ToolEnv) -> str:
+        Tick.calls.append(env.call_id)
+        await asyncio.sleep(0.05)
+        return "tick"
+
+
+async def test_a_cancel_reaches_a_run_inside_one_long_step_through_its_lease_renewal(
+    stores: Stores, scope: Scope, database_url: str, counted: Inspector
+) -> None:
+    """One turn of 200 slow retry-safe calls saves nothing between its turn and its boundary, so only the
+    lease keeper's renewal can bring the cancel: the run ends before its next call, mid-step."""
+    Tick.calls.clear()
+    loop = AgentLoop(ScriptedModel(), ToolRegistry([*demo_tools().all(), Tick()]))
+    settings = fast_settings(database_url, lease_seconds=3, lease_renew_seconds=0.2)
+    fleet = Fleet(stores, settings, loop)
+    w = Worker(fleet=fleet, control=LocalControl(fleet))
+    try:
+        cmd = start_command(scope, [{"call": [{"tool": "tick"}] * 200}, {"say": "done"}], config=budget(200))
+        await w.control.start(cmd)
+        await eventually(_ticked(5), what="five calls ran")
+        assert await w.control.cancel(CancelCommand(scope=scope, run_id=cmd.run_id, reason="mid-step")) is None
+        ran_at_cancel = len(Tick.calls)
+        await w.drain()
+    finally:
+        await fleet.stop(grace=1)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
+    assert (run.state, run.error) == (RunState.CANCELLED, "mid-step")
+    # Within about one renewal (0.2 s of 0.05 s calls) of the cancel, far from the 200.
+    assert ran_at_cancel <= len(Tick.calls) <= ran_at_cancel + 10, (ran_at_cancel, len(Tick.calls))
+    # It never reached the step's boundary: the start's snapshot, the turn, and the cancel noting its ending
+    # in the snapshot are all the progress writes there were.
+    assert await progress_writes(counted, cmd.run_id) == 3
+
+
+def _ticked(n: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return len(Tick.calls) >= n
+
+    return check
