@@ -40,7 +40,14 @@ from intermission.agent.model import ModelClient, ModelRequest, ScriptedModel, T
 from intermission.agent.tools import Tool, ToolFailed, ToolKind, ToolRegistry, demo_tools
 from intermission.fleet import points
 from intermission.schemas.config import ExecutionProvenance
-from intermission.schemas.errors import InvalidContinuation, MaxStepsReached, MaxToolCallsReached
+from intermission.schemas.errors import (
+    BudgetExhausted,
+    InvalidContinuation,
+    MaxStepsReached,
+    MaxTokensExceeded,
+    MaxToolCallsReached,
+    PublicationBlocked,
+)
 from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome
 from intermission.schemas.suspension import (
     Continuation,
@@ -172,15 +179,20 @@ class AgentLoop:
             await self._fail(ctx, step, f"{MaxStepsReached.code}: the run used all {config.max_steps} steps")
         budget = config.budget.max_total_tokens
         if budget and step.cont.usage.total_tokens >= budget:
-            await self._fail(ctx, step, f"budget_exhausted: {step.cont.usage.total_tokens} of {budget} tokens used")
+            await self._fail(
+                ctx, step, f"{BudgetExhausted.code}: {step.cont.usage.total_tokens} of {budget} tokens used"
+            )
         turn = await self.model.next_turn(
             ModelRequest(
                 run=ctx.run,
                 system_prompt=step.cont.system_prompt,
-                messages=step.cont.messages,
+                messages=config.window(step.cont.messages),
                 tools=[ToolSpec(t.name, t.description) for t in self.tools.all() if config.allows_tool(t.name)],
                 config=config,
                 step_index=step.cont.step_index,
+                model=config.model,
+                temperature=config.temperature,
+                max_tokens=config.max_tokens or None,
             )
         )
         # The loop counts the calls itself: the budget must not rest on what a model client reports.
@@ -195,6 +207,24 @@ class AgentLoop:
                 "tokens_used": usage.total_tokens,
             }
         )
+        if config.max_tokens and turn.usage.output_tokens > config.max_tokens:
+            # The client was told the limit; a turn past it is not used (nor kept), whatever it says.
+            await self._fail(
+                ctx,
+                step,
+                f"{MaxTokensExceeded.code}: the model's turn took {turn.usage.output_tokens} output tokens; "
+                f"a turn may take {config.max_tokens}",
+                messages_of=asked,
+            )
+        if config.publication.blocks(_published_text(turn.content, turn.tool_calls)):
+            # Nothing of the turn goes out: not its answer (run.completed), not its calls' arguments (a
+            # Notice), not into the session. The error does not repeat the term: it is published too.
+            await self._fail(
+                ctx,
+                step,
+                f"{PublicationBlocked.code}: the model's turn holds a term the run's publication policy blocks",
+                messages_of=asked,
+            )
         limit = config.budget.max_tool_calls
         if limit and usage.tool_calls > limit:
             # Before any of the turn's calls runs: a runaway turn (or run) is stopped at once, however many
@@ -353,6 +383,11 @@ class AgentLoop:
     def _own(cont: Continuation) -> list[Message]:
         """The run's own messages: never the history it loaded."""
         return cont.messages[cont.new_messages_from :]
+
+
+def _published_text(content: str, calls: list[ToolCall]) -> str:
+    """Everything of a model turn that can leave the run: its text, and its calls (a Notice carries them)."""
+    return "\n".join([content, *(f"{c.name} {c.arguments}" for c in calls)])
 
 
 def _tool_message(call: ToolCall, result: ProgressResult) -> Message:

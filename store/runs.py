@@ -15,6 +15,7 @@ import math
 import uuid
 from dataclasses import dataclass, field
 
+from intermission.schemas.config import REDACTED_ARGUMENTS, RunConfig
 from intermission.schemas.digest import digest
 from intermission.schemas.errors import (
     InvalidArgument,
@@ -23,6 +24,7 @@ from intermission.schemas.errors import (
     RunLeaseLost,
     RunNotFound,
     RunNotReclaimable,
+    UnsupportedConfig,
 )
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.llm import Message
@@ -90,12 +92,24 @@ def _ending(raw: str | None) -> Ending | None:
     return None if raw is None else rows.load_model(Ending, raw, "run ending")
 
 
+def publishable(pending: list[PendingCall], config: RunConfig) -> list[PendingCall]:
+    """The pending calls as a Notice of a run under ``config`` may carry them outside: with their arguments
+    redacted when its publication policy says so."""
+    if not config.publication.redact_arguments:
+        return pending
+    return [call.model_copy(update={"arguments": REDACTED_ARGUMENTS}) for call in pending]
+
+
 def check_lease(lease: Lease) -> None:
     if not lease.is_set:
         raise RunLeaseLost("a lease needs both an owner and a ttl")
 
 
 def check_new_run(new: NewRun, lease: Lease | None, first: Progress | None) -> None:
+    unsupported = new.config.unsupported()
+    if unsupported:
+        # Before anything is written: a run is never started on a config it would then silently ignore.
+        raise UnsupportedConfig("; ".join(unsupported))
     if lease is not None:
         check_lease(lease)
     if first is not None:
@@ -275,13 +289,14 @@ class RunStore:
             # NaN compares false both ways: unchecked it would read as "no deadline".
             raise InvalidArgument("a pause ttl must be a finite, non-negative number of seconds")
         # The Notice as far as it is known here; the pause's transaction adds its id, deadline, checkpoint
-        # and the run's new revision.
+        # and the run's new revision. It carries the pending calls as the run's publication policy lets it:
+        # the stored pause keeps their arguments, for whoever must execute them.
         known = Notice(
             suspension_id=0,
             run_id=run_id,
             run_revision=0,
             reason=pause.reason,
-            pending=pause.pending,
+            pending=publishable(pause.pending, pause.continuation.config),
             approvers=pause.approvers,
             scope=self.scope,
         )
