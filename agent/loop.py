@@ -17,10 +17,12 @@ growing snapshots; and a worker that takes the run over still repeats nothing it
 So a step writes at most: its turn (merged into the first ``started`` save when its first local call is
 not retry-safe), one save per further non-retry-safe call, and its boundary.
 
-Limits hold from the first step: ``max_steps``, the token budget, and the tool-call budget
-(``budget.max_tool_calls``, per run: a turn that would take the run past it fails the run before any of its
-calls runs). A run asked to end while it runs (a cancel) ends at its next boundary or before its next call
-(``RunContext``).
+Limits hold from the first step: ``max_steps``, the token budget, ``max_tokens`` per turn, and the
+tool-call budget (``budget.max_tool_calls``, per run: a turn that would take the run past it fails the run
+before any of its calls runs). A turn holding a term the publication policy blocks fails the run before
+anything of it leaves. The model is shown the conversation through the run's context policy
+(``RunConfig.window``). A run asked to end while it runs (a cancel) ends at its next boundary or before its
+next call (``RunContext``).
 
 A suspension has ONE reason, because the reason decides who may answer. When one turn asks for answers of
 different kinds, the loop pauses for the first call's kind (all calls of that kind pending together); the

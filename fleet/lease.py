@@ -42,6 +42,8 @@ class Holding:
     """One run's place in the keeper."""
 
     held: HeldRun
+    # Whose lease it is: the worker's own, unless the run was claimed under another owner of this process.
+    owner: str
     on_lost: Callable[[], None]
     on_ending: Callable[[Ending], None]
     # Until when the lease holds at least, by this process's monotonic clock: a renewal asked at t holds
@@ -64,12 +66,21 @@ class LeaseKeeper:
         return len(self._holdings)
 
     def hold(
-        self, run_id: str, scope: Scope, *, on_lost: Callable[[], None], on_ending: Callable[[Ending], None]
+        self,
+        run_id: str,
+        scope: Scope,
+        *,
+        on_lost: Callable[[], None],
+        on_ending: Callable[[Ending], None],
+        owner: str | None = None,
     ) -> Holding:
-        """Keep renewing the lease on ``run_id`` until ``release``. Call right after the lease was taken."""
+        """Keep renewing the lease on ``run_id`` (held by ``owner``, the keeper's own by default) until
+        ``release``. Call right after the lease was taken."""
         # The lease was taken (by the database clock) moments before this; by this process's clock it holds
         # about ttl from here (the claim's own latency is the error, and it is small beside the ttl).
-        holding = Holding(HeldRun(run_id, scope), on_lost, on_ending, time.monotonic() + self._ttl)
+        holding = Holding(
+            HeldRun(run_id, scope), owner or self._owner, on_lost, on_ending, time.monotonic() + self._ttl
+        )
         self._holdings[run_id] = holding
         if self._task is None and not self._stopped.is_set():
             self._task = asyncio.create_task(self._keep(), name=f"lease-keeper:{self._owner}")
@@ -81,13 +92,18 @@ class LeaseKeeper:
             del self._holdings[holding.held.run_id]
 
     async def renew_once(self) -> None:
-        """One tick: renew every held lease in one statement and tell each run what it learnt."""
-        batch = list(self._holdings.values())
-        if not batch:
-            return
+        """One tick: renew every held lease in one statement (one per lease owner, and a worker's runs all
+        have the worker's) and tell each run what it learnt."""
+        owners: dict[str, list[Holding]] = {}
+        for h in self._holdings.values():
+            owners.setdefault(h.owner, []).append(h)
+        for owner, batch in owners.items():
+            await self._renew(owner, batch)
+
+    async def _renew(self, owner: str, batch: list[Holding]) -> None:
         asked_at = time.monotonic()
         try:
-            renewed = await self._line.renew(self._owner, self._ttl, [h.held for h in batch])
+            renewed = await self._line.renew(owner, self._ttl, [h.held for h in batch])
         except IntermissionError as exc:
             now = time.monotonic()
             for h in batch:

@@ -133,7 +133,9 @@ class Fleet:
             # Only noted: the run ends itself at its next boundary (RunContext), never mid-call.
             handle.ending = ending
 
-        holding = self.keeper.hold(claimed.run.id, claimed.run.scope, on_lost=lost, on_ending=asked_to_end)
+        holding = self.keeper.hold(
+            claimed.run.id, claimed.run.scope, owner=lease.owner, on_lost=lost, on_ending=asked_to_end
+        )
         extra = {"run_id": claimed.run.id, "scope": str(claimed.run.scope)}
         how = "released"
         try:

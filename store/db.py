@@ -213,7 +213,10 @@ class Database:
             raise StoreError("this database was not opened from a DSN, so it cannot open a connection of its own")
         settings = {**self.server_settings, "application_name": application_name}
         with translated():
-            raw = await asyncpg.connect(self.dsn, command_timeout=command_timeout, server_settings=settings)
+            # The connect is bounded too: a caller that must act by its own clock cannot wait out a minute.
+            raw = await asyncpg.connect(
+                self.dsn, timeout=command_timeout, command_timeout=command_timeout, server_settings=settings
+            )
         return Conn(raw)
 
     async def close(self, grace: float = 10.0) -> None:
