@@ -7,28 +7,49 @@ scope: an executor never sees the database. Each write is checked against the ru
 database; once a write finds the lease gone (or the lease keeper does), the context is dead: every later
 write raises RunLeaseLost without touching the database, and the run's task is cancelled. A worker that
 lost a run writes nothing more for it.
+
+A run can be asked to end while it runs (``run.cancel``: ``runs.ending``). The context hears of it from its
+next progress save, or from the lease keeper's renewal (``handle.ending``), and finishes that end ITSELF at
+the run's next boundary (a save, ``boundary()``, ``between_calls()``, or a pause or end the store turned
+aside), then raises ``EndedOnRequest``: so every executor honours a cancel, whatever it does, without
+asking the database between calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from intermission.agent.tools import ToolEnv
 from intermission.schemas.errors import RunLeaseLost
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.llm import Message
-from intermission.schemas.run import Lease, Run
+from intermission.schemas.run import Ending, EndingKind, Lease, Run
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, Progress, ProgressResult
 from intermission.store import Stores
-from intermission.store.runs import Pause, Paused
+from intermission.store.runs import EndingRequested, Pause, Paused
+
+# How each ending ends a run, and its error when the ending names no reason.
+ENDINGS: dict[EndingKind, tuple[RunEventKind, str]] = {
+    EndingKind.CANCEL: (RunEventKind.CANCELLED, "cancelled"),
+    EndingKind.EXPIRE: (RunEventKind.EXPIRED, "suspension_expired"),
+}
 
 
 class StopAtBoundary(Exception):
     """The worker is stopping: the executor reached a boundary and must return now. Its lease is released
     and another worker continues from the snapshot it just saved."""
+
+
+class EndedOnRequest(Exception):
+    """The run was asked to end while it ran (a cancel), and its context has just ended it so: the executor
+    must return (and let this propagate: the fleet expects it)."""
+
+    def __init__(self, ending: Ending) -> None:
+        super().__init__(f"ended on request: {ending.kind.value}")
+        self.ending = ending
 
 
 class Executor(Protocol):
@@ -42,6 +63,8 @@ class RunHandle:
     lost: bool = False
     ended: bool = False
     paused: bool = False
+    # An end asked of the run while it runs, as the lease keeper or a save heard of it.
+    ending: Ending | None = None
 
 
 class RunContext:
@@ -92,6 +115,8 @@ class RunContext:
             raise RunLeaseLost(f"run {self.run.id} already left this worker")
 
     async def save_progress(self, progress: Progress) -> Progress:
+        """Save a boundary. When the run was asked to end meanwhile, the run ends so here (the snapshot is
+        still saved first) and this raises EndedOnRequest."""
         self._alive()
         try:
             saved = await self._store.progress.save_progress(progress)
@@ -99,14 +124,25 @@ class RunContext:
             self.handle.lost = True
             raise
         self.progress = saved
+        if saved.ending is not None:
+            await self._end_as_asked(saved.ending, progress.continuation)
         return saved
 
     async def boundary(self) -> None:
-        """Call after each durable boundary: a stopping worker stops here."""
+        """Call after each durable boundary: a run asked to end ends here; a stopping worker stops here."""
+        if self.handle.ending is not None:
+            await self._end_as_asked(self.handle.ending, self.progress.continuation)
         if self._stopping.is_set():
             raise StopAtBoundary
 
+    async def between_calls(self) -> None:
+        """Call before handing a call to its handler: a run whose lease keeper heard it was asked to end ends
+        here rather than running one more call. Costs nothing when it was not (no database round trip)."""
+        if self.handle.ending is not None:
+            await self._end_as_asked(self.handle.ending, self.progress.continuation)
+
     async def pause(self, pause: Pause) -> Paused:
+        """Pause the run. A run asked to end does not pause: it ends as asked (EndedOnRequest)."""
         self._alive()
         try:
             paused = await self._store.runs.pause_run(
@@ -115,6 +151,8 @@ class RunContext:
         except RunLeaseLost:
             self.handle.lost = True
             raise
+        except EndingRequested as asked:
+            await self._end_as_asked(asked.ending, pause.continuation)
         self.handle.paused = True
         return paused
 
@@ -125,7 +163,11 @@ class RunContext:
         output: str | None = None,
         error: str | None = None,
         own_messages: list[Message] | None = None,
+        continuation: Continuation | None = None,
     ) -> RunEvent:
+        """End the run. ``continuation`` is where it ended: its step and token counts go on the run row (the
+        last saved snapshot's when None). A run asked to end ends as asked instead (EndedOnRequest), unless
+        this end is that end."""
         self._alive()
         try:
             event = await self._store.runs.end_run(
@@ -136,18 +178,38 @@ class RunContext:
                 error=error,
                 correlation_id=self.correlation_id,
                 own_messages=own_messages,
+                counts=continuation or self.progress.continuation,
             )
         except RunLeaseLost:
             self.handle.lost = True
             raise
+        except EndingRequested as asked:
+            cont = continuation or self.progress.continuation
+            await self._end_as_asked(asked.ending, cont, own_messages)
         self.handle.ended = True
         return event
 
-    async def complete(self, output: str, own_messages: list[Message] | None = None) -> RunEvent:
-        return await self.end(RunEventKind.COMPLETED, output=output, own_messages=own_messages)
+    async def complete(
+        self, output: str, own_messages: list[Message] | None = None, continuation: Continuation | None = None
+    ) -> RunEvent:
+        return await self.end(
+            RunEventKind.COMPLETED, output=output, own_messages=own_messages, continuation=continuation
+        )
 
-    async def fail(self, error: str, own_messages: list[Message] | None = None) -> RunEvent:
-        return await self.end(RunEventKind.FAILED, error=error, own_messages=own_messages)
+    async def fail(
+        self, error: str, own_messages: list[Message] | None = None, continuation: Continuation | None = None
+    ) -> RunEvent:
+        return await self.end(RunEventKind.FAILED, error=error, own_messages=own_messages, continuation=continuation)
+
+    async def _end_as_asked(
+        self, ending: Ending, cont: Continuation, own_messages: list[Message] | None = None
+    ) -> NoReturn:
+        """End the run as ``ending`` says, at ``cont`` (its own messages and counts), then stop the executor."""
+        self.handle.ending = ending
+        kind, default = ENDINGS[ending.kind]
+        own = own_messages if own_messages is not None else cont.messages[cont.new_messages_from :]
+        await self.end(kind, error=ending.reason or default, own_messages=own, continuation=cont)
+        raise EndedOnRequest(ending)
 
     async def load_history(self, session_id: str) -> list[Message]:
         return await self._store.sessions.load(session_id)

@@ -1,15 +1,28 @@
 """The agent loop: the default executor.
 
-Each step asks the model for the next assistant turn and dispatches its tool calls, saving progress at
-every boundary so that a worker that takes the run over repeats nothing it must not:
+Each step asks the model for the next assistant turn and dispatches its tool calls. Progress is saved at
+step boundaries, not per call, so a step of a thousand local calls costs a few writes, not a thousand
+growing snapshots; and a worker that takes the run over still repeats nothing it must not:
 
-- the assistant turn is saved before any of its calls is dispatched, so a takeover never asks the model
-  for that step again;
-- a call that is NOT retry-safe is written to ``started`` BEFORE it is handed to its handler, and its result
-  to ``done`` after; a takeover never dispatches a ``started`` call again (the model is told its outcome is
-  unknown) and reuses every result in ``done``;
+- the assistant turn is saved before the first of its calls is handed to a handler, so a takeover never
+  asks the model for that step again (a turn whose calls all pause is saved by the pause itself);
+- a call that is NOT retry-safe is written to ``started`` BEFORE it is handed to its handler, and that save
+  carries everything the step has done so far; a takeover never dispatches a ``started`` call again (the
+  model is told its outcome is unknown) and reuses every result in ``done``;
+- the results of retry-safe calls live in memory until the step's boundary is saved: a crash loses them,
+  and the worker that takes over simply runs those calls again (that is what retry-safe means);
 - a turn whose calls need outside answers pauses the run (one transaction: suspension, checkpoint, paused,
   progress removed, Notice in the outbox).
+
+So a step writes at most: its turn (merged into the first ``started`` save when its first local call is
+not retry-safe), one save per further non-retry-safe call, and its boundary.
+
+Limits hold from the first step: ``max_steps``, the token budget, ``max_tokens`` per turn, and the
+tool-call budget (``budget.max_tool_calls``, per run: a turn that would take the run past it fails the run
+before any of its calls runs). A turn holding a term the publication policy blocks fails the run before
+anything of it leaves. The model is shown the conversation through the run's context policy
+(``RunConfig.window``). A run asked to end while it runs (a cancel) ends at its next boundary or before its
+next call (``RunContext``).
 
 A suspension has ONE reason, because the reason decides who may answer. When one turn asks for answers of
 different kinds, the loop pauses for the first call's kind (all calls of that kind pending together); the
@@ -24,18 +37,23 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from intermission.agent.executor import RunContext
+from intermission.agent.executor import ENDINGS, RunContext
 from intermission.agent.model import ModelClient, ModelRequest, ScriptedModel, ToolSpec
 from intermission.agent.tools import Tool, ToolFailed, ToolKind, ToolRegistry, demo_tools
 from intermission.fleet import points
 from intermission.schemas.config import ExecutionProvenance
-from intermission.schemas.errors import InvalidContinuation, MaxStepsReached
-from intermission.schemas.events import RunEventKind
+from intermission.schemas.errors import (
+    BudgetExhausted,
+    InvalidContinuation,
+    MaxStepsReached,
+    MaxTokensExceeded,
+    MaxToolCallsReached,
+    PublicationBlocked,
+)
 from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome
 from intermission.schemas.suspension import (
     Continuation,
     Ending,
-    EndingKind,
     PendingCall,
     Progress,
     ProgressResult,
@@ -65,6 +83,9 @@ class _Step:
     started: list[PendingCall] = field(default_factory=list)
     done: list[ProgressResult] = field(default_factory=list)
     approved: list[str] = field(default_factory=list)
+    # Whether the last assistant turn is in the saved snapshot (a resume's or a takeover's is; a turn the
+    # model just made is not until the step's first save).
+    turn_saved: bool = True
 
     def snapshot(self, owner: str, run_id: str) -> Progress:
         return Progress(
@@ -135,7 +156,8 @@ class AgentLoop:
             await self._take_step(ctx, step)
 
     async def _begin(self, ctx: RunContext) -> _Step:
-        """A fresh run: load its session's history, add its input, save the first boundary."""
+        """A fresh run: load its session's history and add its input. Nothing is saved yet: a worker that
+        takes the run over before its first turn is saved does exactly this again, which costs a read."""
         base = ctx.progress.continuation
         session_id = base.session_id or ctx.run.session_id or ctx.run.id
         history = await ctx.load_history(session_id)
@@ -151,10 +173,7 @@ class AgentLoop:
                 ),
             }
         )
-        step = _Step(cont=cont)
-        await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
-        await ctx.boundary()
-        return step
+        return _Step(cont=cont)
 
     async def _take_step(self, ctx: RunContext, step: _Step) -> None:
         config = step.cont.config
@@ -162,18 +181,25 @@ class AgentLoop:
             await self._fail(ctx, step, f"{MaxStepsReached.code}: the run used all {config.max_steps} steps")
         budget = config.budget.max_total_tokens
         if budget and step.cont.usage.total_tokens >= budget:
-            await self._fail(ctx, step, f"budget_exhausted: {step.cont.usage.total_tokens} of {budget} tokens used")
+            await self._fail(
+                ctx, step, f"{BudgetExhausted.code}: {step.cont.usage.total_tokens} of {budget} tokens used"
+            )
         turn = await self.model.next_turn(
             ModelRequest(
                 run=ctx.run,
                 system_prompt=step.cont.system_prompt,
-                messages=step.cont.messages,
+                messages=config.window(step.cont.messages),
                 tools=[ToolSpec(t.name, t.description) for t in self.tools.all() if config.allows_tool(t.name)],
                 config=config,
                 step_index=step.cont.step_index,
+                model=config.model,
+                temperature=config.temperature,
+                max_tokens=config.max_tokens or None,
             )
         )
-        usage = step.cont.usage.plus(turn.usage)
+        # The loop counts the calls itself: the budget must not rest on what a model client reports.
+        usage = step.cont.usage.plus(turn.usage.model_copy(update={"tool_calls": len(turn.tool_calls)}))
+        asked = step.cont
         assistant = Message(role=Role.ASSISTANT, content=turn.content, tool_calls=turn.tool_calls)
         step.cont = step.cont.model_copy(
             update={
@@ -183,12 +209,40 @@ class AgentLoop:
                 "tokens_used": usage.total_tokens,
             }
         )
+        if config.max_tokens and turn.usage.output_tokens > config.max_tokens:
+            # The client was told the limit; a turn past it is not used (nor kept), whatever it says.
+            await self._fail(
+                ctx,
+                step,
+                f"{MaxTokensExceeded.code}: the model's turn took {turn.usage.output_tokens} output tokens; "
+                f"a turn may take {config.max_tokens}",
+                messages_of=asked,
+            )
+        if config.publication.blocks(_published_text(turn.content, turn.tool_calls)):
+            # Nothing of the turn goes out: not its answer (run.completed), not its calls' arguments (a
+            # Notice), not into the session. The error does not repeat the term: it is published too.
+            await self._fail(
+                ctx,
+                step,
+                f"{PublicationBlocked.code}: the model's turn holds a term the run's publication policy blocks",
+                messages_of=asked,
+            )
+        limit = config.budget.max_tool_calls
+        if limit and usage.tool_calls > limit:
+            # Before any of the turn's calls runs: a runaway turn (or run) is stopped at once, however many
+            # calls it asks for. The refused turn is not kept; the tokens it cost are counted.
+            await self._fail(
+                ctx,
+                step,
+                f"{MaxToolCallsReached.code}: the turn asks for {len(turn.tool_calls)} tool calls, which would "
+                f"take the run to {usage.tool_calls} of the {limit} it may make",
+                messages_of=asked,
+            )
         if not turn.tool_calls:
-            await ctx.complete(turn.content, self._own(step.cont))
+            await ctx.complete(turn.content, self._own(step.cont), continuation=step.cont)
             raise _Stop
-        # The turn is durable before any call is dispatched: a takeover never asks for this step again.
         step.started, step.done, step.approved = [], [], []
-        await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
+        step.turn_saved = False
         await self._complete_open_turn(ctx, step)
 
     async def _complete_open_turn(self, ctx: RunContext, step: _Step) -> None:
@@ -216,9 +270,7 @@ class AgentLoop:
             if call.id in started:
                 # Handed to its handler by a worker that stopped before saving the result: never again.
                 step.started = [c for c in step.started if c.id != call.id]
-                await self._record(
-                    ctx, step, ProgressResult(call_id=call.id, error=OUTCOME_UNKNOWN, outcome=ToolOutcome.FAILED)
-                )
+                self._record(step, ProgressResult(call_id=call.id, error=OUTCOME_UNKNOWN, outcome=ToolOutcome.FAILED))
                 continue
             tool = self.tools.get(call.name)
             if tool is None or not step.cont.config.allows_tool(call.name):
@@ -227,7 +279,7 @@ class AgentLoop:
                     error=f"tool {call.name!r} is not available to this run",
                     outcome=ToolOutcome.FAILED,
                 )
-                await self._record(ctx, step, failed)
+                self._record(step, failed)
                 continue
             if tool.kind is ToolKind.LOCAL or (tool.kind is ToolKind.APPROVAL and call.id in step.approved):
                 await self._dispatch(ctx, step, call, tool)
@@ -242,11 +294,19 @@ class AgentLoop:
         await ctx.boundary()
 
     async def _dispatch(self, ctx: RunContext, step: _Step, call: ToolCall, tool: Tool) -> None:
+        # A run asked to end (the lease keeper heard of it) ends here, before one more call.
+        await ctx.between_calls()
         env = ctx.tool_env(call.id)
         if not tool.retry_safe:
-            # Written BEFORE the handler gets it: if this worker dies from here on, nobody calls it again.
+            # Written BEFORE the handler gets it, with everything the step has done so far: if this worker
+            # dies from here on, nobody calls it again.
             step.started.append(PendingCall(id=call.id, name=call.name, arguments=call.arguments))
             await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
+            step.turn_saved = True
+        elif not step.turn_saved:
+            # The turn is durable before its first call runs: a takeover never asks the model for it again.
+            await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
+            step.turn_saved = True
         try:
             content = await tool.run(_arguments(call), env)
             result = ProgressResult(call_id=call.id, content=content, outcome=ToolOutcome.COMPLETED)
@@ -255,11 +315,13 @@ class AgentLoop:
         if not tool.retry_safe:
             points.reach(points.AFTER_STARTED)
             step.started = [c for c in step.started if c.id != call.id]
-        await self._record(ctx, step, result)
+        self._record(step, result)
 
-    async def _record(self, ctx: RunContext, step: _Step, result: ProgressResult) -> None:
+    @staticmethod
+    def _record(step: _Step, result: ProgressResult) -> None:
+        # In memory only: it travels with the step's next save (a later call's ``started`` save, the
+        # boundary, or the pause).
         step.done = [*step.done, result]
-        await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
 
     async def _pause(
         self, ctx: RunContext, step: _Step, open_calls: list[ToolCall], waiting: list[tuple[ToolCall, Tool]]
@@ -307,21 +369,27 @@ class AgentLoop:
         step.started, step.done, step.approved = [], [], []
 
     async def _finish_ending(self, ctx: RunContext, ending: Ending) -> None:
-        """A claim was made to end this run: finish that end; never continue it."""
-        own = self._own(ctx.progress.continuation)
-        if ending.kind is EndingKind.CANCEL:
-            await ctx.end(RunEventKind.CANCELLED, error=ending.reason or "cancelled", own_messages=own)
-        else:
-            await ctx.end(RunEventKind.EXPIRED, error=ending.reason or "suspension_expired", own_messages=own)
+        """A claim was made to end this run (or a cancel asked it to end while it ran, and its holder died
+        before finishing that): finish that end; never continue it."""
+        cont = ctx.progress.continuation
+        kind, default = ENDINGS[ending.kind]
+        await ctx.end(kind, error=ending.reason or default, own_messages=self._own(cont), continuation=cont)
 
-    async def _fail(self, ctx: RunContext, step: _Step, error: str) -> None:
-        await ctx.fail(error, self._own(step.cont))
+    async def _fail(self, ctx: RunContext, step: _Step, error: str, *, messages_of: Continuation | None = None) -> None:
+        """Fail the run at ``step``; its session keeps the messages of ``messages_of`` (the step's own when
+        None: a refused turn is left out of it)."""
+        await ctx.fail(error, self._own(messages_of or step.cont), continuation=step.cont)
         raise _Stop
 
     @staticmethod
     def _own(cont: Continuation) -> list[Message]:
         """The run's own messages: never the history it loaded."""
         return cont.messages[cont.new_messages_from :]
+
+
+def _published_text(content: str, calls: list[ToolCall]) -> str:
+    """Everything of a model turn that can leave the run: its text, and its calls (a Notice carries them)."""
+    return "\n".join([content, *(f"{c.name} {c.arguments}" for c in calls)])
 
 
 def _tool_message(call: ToolCall, result: ProgressResult) -> Message:

@@ -1,8 +1,10 @@
 """The model protocol the agent loop asks for each assistant turn, and the scripted model.
 
 To plug a real model in, implement ``ModelClient.next_turn`` (call your provider with the request's
-system prompt, messages and tool specs; map its reply to a ``ModelTurn``) and name a factory that returns
-an ``AgentLoop`` over it in ``INTERMISSION_EXECUTOR``. The README shows one.
+system prompt, messages and tool specs, and its ``model``, ``temperature`` and ``max_tokens``; map its reply
+to a ``ModelTurn``) and name a factory that returns an ``AgentLoop`` over it in ``INTERMISSION_EXECUTOR``.
+The README shows one. The loop checks what it can of the reply itself: a turn reporting more output tokens
+than ``max_tokens`` fails the run, whatever the client did with the limit.
 """
 
 from __future__ import annotations
@@ -26,11 +28,17 @@ class ToolSpec:
 class ModelRequest:
     run: Run
     system_prompt: str
+    # What the model is shown: the run's conversation through its context policy (RunConfig.window).
     messages: list[Message]
     tools: list[ToolSpec]
     config: RunConfig
     # The number of assistant turns the run has had so far.
     step_index: int
+    # The run config's model settings, for the provider: send them. Empty / None: the provider's default.
+    model: str = ""
+    temperature: float | None = None
+    # The output tokens this turn may take (None: no limit).
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,10 @@ def _tokens(text: str) -> int:
 class ScriptedModel:
     """Plays the run's ``script``, one turn per step, so the fleet runs end to end with no LLM.
 
+    A script is deterministic by construction, so ``model`` and ``temperature`` have nothing to change in
+    it; ``max_tokens`` it honours as a provider does, by cutting a final answer short at the limit (four
+    characters a token, as it counts them).
+
     ``{"call": [...]}`` makes an assistant turn with those tool calls; ``{"say": TEXT}`` is the final
     answer. A script that runs out answers with the last tool result. Call ids are ``call-<step>-<n>``:
     deterministic, so the same step always names its calls the same way.
@@ -64,15 +76,20 @@ class ScriptedModel:
         if request.step_index < len(script):
             turn = script[request.step_index]
             if turn.say is not None:
-                return ModelTurn(content=turn.say, usage=_usage(prompt_tokens, _tokens(turn.say)))
+                say = _cut(turn.say, request.max_tokens)
+                return ModelTurn(content=say, usage=_usage(prompt_tokens, _tokens(say)))
             calls = [
                 ToolCall(id=f"call-{request.step_index}-{n}", name=c.tool, arguments=json.dumps(c.arguments))
                 for n, c in enumerate(turn.call or [])
             ]
             return ModelTurn(tool_calls=calls, usage=_usage(prompt_tokens, 8 * len(calls)))
         last_result = next((m for m in reversed(request.messages) if m.role is Role.TOOL), None)
-        content = last_result.content if last_result is not None else request.run.input
+        content = _cut(last_result.content if last_result is not None else request.run.input, request.max_tokens)
         return ModelTurn(content=content, usage=_usage(prompt_tokens, _tokens(content)))
+
+
+def _cut(text: str, max_tokens: int | None) -> str:
+    return text if max_tokens is None else text[: 4 * max_tokens]
 
 
 def _usage(prompt: int, completion: int) -> Usage:

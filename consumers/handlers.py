@@ -113,7 +113,7 @@ class CommandHandlers:
         # forge the bus's identity; a message without user_id is nobody's.
         if not a.delivery.user_id or a.delivery.user_id != self.hooks.bus_user:
             raise Forbidden("only the messaging bus may answer an agent_reply pause (user_id is not the bus user)")
-        return await self.stores.commands.reply(cmd, a.lease, correlation_id=a.delivery.message_id)
+        return await self.stores.commands.reply(cmd, a.lease, receipt=a.receipt, correlation_id=a.delivery.message_id)
 
 
 ROUTES: dict[Command, Route[Any]] = {

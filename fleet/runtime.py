@@ -1,9 +1,10 @@
 """The fleet inside one worker process: running claimed runs under their leases, and the reclaim sweep.
 
 A consumer (or the in-process control) claims a run in one transaction and calls ``submit``; from then
-on the run's safety rests on its lease, not on the broker. Each run gets a task and a lease keeper. The
-reclaim sweep takes over runs whose lease lapsed (their worker died) and continues them from their last
-snapshot.
+on the run's safety rests on its lease, not on the broker. Each run gets a task; the worker's one lease
+keeper renews all of their leases in one statement per tick over a connection of its own
+(``fleet/lease.py``), so no renewal waits behind the commands that share the pool. The reclaim sweep takes
+over runs whose lease lapsed (their worker died) and continues them from their last snapshot.
 
 Stopping: ``stop()`` stops taking work, lets each run reach its next boundary (where it releases its
 lease, so another worker continues at once) for up to the grace period, then cancels what is left.
@@ -16,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 
-from intermission.agent.executor import Executor, RunContext, RunHandle, StopAtBoundary
+from intermission.agent.executor import EndedOnRequest, Executor, RunContext, RunHandle, StopAtBoundary
 from intermission.fleet.identity import incarnation
 from intermission.fleet.lease import LeaseKeeper
 from intermission.fleet.settings import Settings
@@ -38,6 +39,7 @@ from intermission.schemas.suspension import Continuation, Ending, EndingKind, Pr
 from intermission.store import Stores
 from intermission.store.across_scopes import Unreadable
 from intermission.store.commands import Claimed
+from intermission.store.leases import LeaseLine
 from intermission.store.runs import Reclaimed
 
 log = logging.getLogger("intermission.fleet")
@@ -68,6 +70,17 @@ class Fleet:
         self._idle.set()
         # The worker's supervisor, or one of the fleet's own when it runs alone (tests, tools).
         self.supervisor = supervisor or Supervisor()
+        # A statement that cannot renew within a tick is not worth waiting for: the next tick asks again,
+        # and a run is given up only once its lease may have lapsed by this process's clock.
+        self.keeper = LeaseKeeper(
+            LeaseLine(
+                stores.db, timeout=settings.lease_renew_seconds, application_name=f"intermission-leases {self.owner}"
+            ),
+            self.owner,
+            ttl_seconds=settings.lease_seconds,
+            renew_every=settings.lease_renew_seconds,
+            supervisor=self.supervisor,
+        )
 
     # --- work in -----------------------------------------------------------------------------------
 
@@ -103,12 +116,17 @@ class Fleet:
             self._idle.set()
 
     async def _run(self, claimed: Claimed) -> None:
-        handle = RunHandle()
+        handle = RunHandle(ending=claimed.run.ending)
+        progress = claimed.progress
+        if claimed.run.ending is not None and progress.ending is None:
+            # Asked to end while it ran (a cancel), and taken over before its holder finished that: the
+            # executor finishes it first, as it does a claim's ending.
+            progress = progress.model_copy(update={"ending": claimed.run.ending})
         lease = Lease(owner=claimed.run.lease_owner or self.owner, ttl_seconds=self.settings.lease_seconds)
         ctx = RunContext(
             self.stores,
             claimed.run,
-            claimed.progress,
+            progress,
             lease,
             correlation_id=claimed.correlation_id,
             stopping=self._stopping,
@@ -118,17 +136,18 @@ class Fleet:
         assert me is not None
 
         def lost() -> None:
+            if handle.ended or handle.paused:
+                return  # it left running by its own write, which the renewal saw; nothing to stop
             handle.lost = True
             me.cancel()
 
-        keeper = LeaseKeeper(
-            self.stores.at(claimed.run.scope).runs,
-            claimed.run.id,
-            lease,
-            renew_every=self.settings.lease_renew_seconds,
-            on_lost=lost,
+        def asked_to_end(ending: Ending) -> None:
+            # Only noted: the run ends itself at its next boundary (RunContext), never mid-call.
+            handle.ending = ending
+
+        holding = self.keeper.hold(
+            claimed.run.id, claimed.run.scope, owner=lease.owner, on_lost=lost, on_ending=asked_to_end
         )
-        keeping = asyncio.create_task(keeper.keep(), name=f"lease:{claimed.run.id}")
         extra = {"run_id": claimed.run.id, "scope": str(claimed.run.scope)}
         how = "released"
         try:
@@ -136,6 +155,8 @@ class Fleet:
             if not (handle.ended or handle.paused):
                 log.error("executor returned without ending or pausing the run", extra={"action": "run_left", **extra})
                 await self._release(ctx)
+        except EndedOnRequest as asked:
+            log.info("ended as asked", extra={"action": "run_ended_on_request", "ending": asked.ending.kind, **extra})
         except StopAtBoundary:
             log.info("stopped at a boundary; releasing the run", extra={"action": "run_released", **extra})
             await self._release(ctx)
@@ -161,8 +182,7 @@ class Fleet:
             with contextlib.suppress(IntermissionError):
                 await ctx.fail(f"executor_error: {type(exc).__name__}")
         finally:
-            keeper.stop()
-            await keeping
+            self.keeper.release(holding)
             if handle.lost:
                 how = "lease_lost"
             elif handle.paused:
@@ -209,8 +229,9 @@ class Fleet:
         run = reclaimed.run
         progress = reclaimed.progress
         if progress is None:
-            # Claimed without a snapshot (the original's plain claim): continue from the pause if it is
-            # still there, else from the run's start.
+            # Leased without a first snapshot (a leased claim or start that wrote none; plain claims hold
+            # no lease and are never taken over): continue from the pause if it is still there, else from
+            # the run's start.
             cont = Continuation(config=run.config, session_id=run.session_id)
             with contextlib.suppress(IntermissionError):
                 cont = (await self.stores.at(run.scope).suspensions.get_suspension(run.id)).continuation
@@ -300,15 +321,16 @@ class Fleet:
                 return
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stop taking work, let runs stop at their next boundary within ``grace``, cancel the rest."""
+        """Stop taking work, let runs stop at their next boundary within ``grace``, cancel the rest; then
+        stop renewing leases (none is held any more)."""
         self._stopping.set()
         await self.supervisor.cancel(RECLAIM_TASK)
         pending = list(self._tasks.values())
-        if not pending:
-            return
-        wait = self.settings.shutdown_grace_seconds if grace is None else grace
-        _, late = await asyncio.wait(pending, timeout=wait)
-        for task in late:
-            task.cancel()
-        if late:
-            await asyncio.gather(*late, return_exceptions=True)
+        if pending:
+            wait = self.settings.shutdown_grace_seconds if grace is None else grace
+            _, late = await asyncio.wait(pending, timeout=wait)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.gather(*late, return_exceptions=True)
+        await self.keeper.stop()

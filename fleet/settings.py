@@ -62,6 +62,11 @@ class Settings(BaseSettings):
     pause_ttl_seconds: int = Field(default=86400, ge=0, le=MAX_PAUSE_TTL_SECONDS)
     # The default max_steps of a run whose config leaves it unset.
     max_steps: int = Field(default=32, ge=1)
+    # The default budget.max_tool_calls of a run whose config leaves it unset (0): the tool calls a whole
+    # run may ask for. Per run, like every budget: it bounds each turn too (a turn cannot ask for more than
+    # what is left), where a per-turn cap would still let max_steps turns of it through. 256 is 8 calls a
+    # step over the default 32 steps.
+    max_tool_calls: int = Field(default=256, ge=1)
     shutdown_grace_seconds: float = Field(default=20.0, ge=0)
     # 0 turns the Prometheus endpoint off.
     metrics_port: int = Field(default=0, ge=0, le=65535)

@@ -108,7 +108,11 @@ async def running_worker(
                 stores,
                 WorkerHooks(
                     lease=fleet.lease,
-                    defaults=RunDefaults(pause_ttl_seconds=settings.pause_ttl_seconds, max_steps=settings.max_steps),
+                    defaults=RunDefaults(
+                        pause_ttl_seconds=settings.pause_ttl_seconds,
+                        max_steps=settings.max_steps,
+                        max_tool_calls=settings.max_tool_calls,
+                    ),
                     bus_user=settings.bus_user,
                 ),
             ),

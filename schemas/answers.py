@@ -41,10 +41,13 @@ def check_authority(source: Source, suspension: Suspension) -> None:
         if source is not Source.DECISION:
             raise RequiresApproval(f"run {suspension.run_id} waits on an approval decision")
         return
-    if source is Source.DECISION:
-        raise InvalidState(f"run {suspension.run_id} is not waiting on an approval")
+    # Before the decision check: the original refuses EVERYONE but the bus on an agent-reply pause with
+    # not_agent_reply_resumable, a decision included; a decision is invalid_state only where it has no
+    # reason-specific refusal (an external-tool pause).
     if reason is SuspendReason.AGENT_REPLY and source is not Source.BUS:
         raise NotAgentReplyResumable(f"run {suspension.run_id} waits on another agent's reply")
+    if source is Source.DECISION:
+        raise InvalidState(f"run {suspension.run_id} is not waiting on an approval")
 
 
 def check_approver(suspension: Suspension, principal: str | None) -> None:

@@ -207,6 +207,36 @@ class MaxStepsReached(PermanentError):
     code = "max_steps_reached"
 
 
+class MaxToolCallsReached(PermanentError):
+    """The run asked for more tool calls than its budget allows (``budget.max_tool_calls``)."""
+
+    code = "max_tool_calls_reached"
+
+
+class MaxTokensExceeded(PermanentError):
+    """A model turn took more output tokens than the run's ``max_tokens`` allows one turn."""
+
+    code = "max_tokens_exceeded"
+
+
+class BudgetExhausted(PermanentError):
+    """The run used its token budget (``budget.max_total_tokens``)."""
+
+    code = "budget_exhausted"
+
+
+class PublicationBlocked(PermanentError):
+    """A model turn holds a term the run's publication policy blocks."""
+
+    code = "publication_blocked"
+
+
+class UnsupportedConfig(PermanentError):
+    """The run's config asks for something this product cannot honour; the run is not started."""
+
+    code = "unsupported_config"
+
+
 class InvalidArgument(PermanentError):
     """An argument is out of range or malformed."""
 
@@ -243,6 +273,11 @@ ALL_ERRORS: tuple[type[IntermissionError], ...] = (
     VersionClaimUnavailable,
     InvalidContinuation,
     MaxStepsReached,
+    MaxToolCallsReached,
+    MaxTokensExceeded,
+    BudgetExhausted,
+    PublicationBlocked,
+    UnsupportedConfig,
     InvalidArgument,
 )
 

@@ -17,11 +17,13 @@ import json
 import re
 import uuid
 from datetime import datetime
-from typing import Any
+from typing import Any, Self
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, ValidationInfo, model_validator
 
-from intermission.schemas.base import Model, StrictModel
+# Re-exported: resume evidence is where legacy records were first met.
+from intermission.schemas.base import LEGACY_SCHEMA_VERSION as LEGACY_SCHEMA_VERSION
+from intermission.schemas.base import Model, StrictModel, legacy_schema_version
 from intermission.schemas.digest import digest
 from intermission.schemas.errors import InputTooLarge, InvalidArgument, UnsupportedSchemaVersion
 from intermission.schemas.ids import INT64_MAX, RUN_ID_PATTERN
@@ -32,7 +34,6 @@ from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion
 # The version every resume record is written with. A row written before versions existed has none and
 # reads as LEGACY_SCHEMA_VERSION: older evidence is still evidence, so it is never refused as invalid.
 RESUME_SCHEMA_VERSION = 1
-LEGACY_SCHEMA_VERSION = 0
 
 # A digest as ``schemas.digest`` writes it: lowercase hex SHA-256.
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"
@@ -239,6 +240,12 @@ class ResumeClosureRequest(StrictModel):
     proof_digest: str
     observed_at: datetime
     expires_at: datetime
+
+    # A stored request written before versions existed reads as legacy 0 (and ``freeze`` refuses to close
+    # anything new with it), never as the current version.
+    @model_validator(mode="after")
+    def _legacy(self, info: ValidationInfo) -> Self:
+        return legacy_schema_version(self, info)
 
     def freeze(self) -> tuple[ResumeClosureRequest, str]:
         """Check structure and detach the request; returns the detached copy and its digest.

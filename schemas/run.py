@@ -32,6 +32,23 @@ class RunState(StrEnum):
 TERMINAL_STATES = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED})
 
 
+class EndingKind(StrEnum):
+    """The end a claim (or a cancel of a running run) was made to write."""
+
+    CANCEL = "cancel"  # the run ends cancelled
+    EXPIRE = "expire"  # the run fails: nobody answered its pause in time
+
+
+class Ending(Model):
+    """The end a claim was made to write, recorded with the claim so a worker that dies before writing it
+    does not leave the run to continue as if it had never been asked to end. A cancel of a RUNNING run
+    records one the same way, for the run's lease holder (or whoever takes the run over) to finish."""
+
+    kind: EndingKind
+    # What the run's error says.
+    reason: str = ""
+
+
 class Lease(Model):
     """A claim on a running run: its owner and how long it holds before it lapses.
 
@@ -76,6 +93,9 @@ class Run(Model):
     pause_ttl_seconds: int = 0
     step_count: int = 0
     tokens_used: int = 0
+    # An end asked of the run while it was running (a cancel), for its lease holder to finish; None when
+    # none was. Only a running run carries one.
+    ending: Ending | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
 

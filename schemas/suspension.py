@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
+from typing import Self
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, model_validator
 
-from intermission.schemas.base import Model
+from intermission.schemas.base import Model, legacy_schema_version
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.ids import CheckpointId, Revision, RunId, SuspensionId
 from intermission.schemas.llm import Message, ToolOutcome, ToolResult, Usage
+
+# Ending lives beside Run (a running run can carry one); it is the original's suspension.Ending.
+from intermission.schemas.run import Ending as Ending
+from intermission.schemas.run import EndingKind as EndingKind
 from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
 
@@ -81,7 +86,9 @@ class Continuation(Model):
     usage: Usage = Field(default_factory=Usage)
     messages: list[Message] = Field(default_factory=list)
     system_prompt: str = ""
-    step_index: int = 0
+    # The run row carries it as its step count (an integer column) after every boundary, so it is bounded
+    # by that column: a step index nothing could store is refused here, not by a driver error mid-run.
+    step_index: int = Field(default=0, ge=0, le=2**31 - 1)
     tokens_used: int = 0
     # Where this run's own messages begin in ``messages``. Everything before is history loaded at start and
     # must never be saved again: without it a resume cannot tell the two apart and its first save writes
@@ -92,6 +99,12 @@ class Continuation(Model):
     session_id: str = ""
     # The resolved configuration the run was executing under; a resume never re-merges the agent's.
     config: RunConfig = Field(default_factory=RunConfig)
+
+    # A stored continuation without ``schema_version`` was written before versions existed: legacy 0, not
+    # the current version this model's default would make of it.
+    @model_validator(mode="after")
+    def _legacy(self, info: ValidationInfo) -> Self:
+        return legacy_schema_version(self, info)
 
 
 class Suspension(Model):
@@ -110,22 +123,6 @@ class Suspension(Model):
     # Principals allowed to decide an approval pause; empty means any host may.
     approvers: list[str] = Field(default_factory=list)
     created_at: datetime | None = None
-
-
-class EndingKind(StrEnum):
-    """The end a claim was made to write."""
-
-    CANCEL = "cancel"  # the run ends cancelled
-    EXPIRE = "expire"  # the run fails: nobody answered its pause in time
-
-
-class Ending(Model):
-    """The end a claim was made to write, recorded with the claim so a worker that dies before writing it
-    does not leave the run to continue as if it had never been asked to end."""
-
-    kind: EndingKind
-    # What the run's error says, for an expiry.
-    reason: str = ""
 
 
 class ProgressResult(Model):

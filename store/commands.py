@@ -41,9 +41,11 @@ from intermission.schemas.commands import (
 from intermission.schemas.errors import (
     InvalidArgument,
     InvalidState,
+    MessageIdConflict,
     NotSuspended,
     ResumeAdmissionNotFound,
     RunConflict,
+    TransientError,
 )
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.resume import ResumeAdmissionRequest
@@ -51,7 +53,7 @@ from intermission.schemas.run import Lease, NewRun, Run, RunState
 from intermission.schemas.scope import Scope, require_scope
 from intermission.schemas.suspension import ClaimVersion, Continuation, Ending, EndingKind, Progress, Suspension
 from intermission.store import outbox, rows
-from intermission.store.db import Database
+from intermission.store.db import Conn, Database
 from intermission.store.inbox import AlreadyApplied, Receipt
 from intermission.store.resume import ResumeStore
 from intermission.store.runs import check_lease, start_in
@@ -68,20 +70,33 @@ class Claimed:
     correlation_id: str | None
 
 
+# How often a cancel reads a run again because it moved between the read and the write. Each retry means
+# the run really changed (claimed, paused again); a run that changes this often gets a TransientError, and
+# the command is retried with backoff.
+CANCEL_ATTEMPTS = 8
+
+# The settings' default of budget.max_tool_calls (INTERMISSION_MAX_TOOL_CALLS, fleet/settings.py).
+DEFAULT_MAX_TOOL_CALLS = 256
+
+
 @dataclass(frozen=True)
 class RunDefaults:
     """What a start takes from the settings when its command leaves it out."""
 
     pause_ttl_seconds: int
     max_steps: int
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
 
 
 def new_run(cmd: StartCommand, defaults: RunDefaults) -> NewRun:
     """Resolve a start into the run to create: the config is flattened once, here, and stored; a resume
-    never re-merges it."""
+    never re-merges it. So a run's limits are the ones it started with, whichever worker continues it."""
     config = cmd.config
     if config.max_steps == 0:
         config = config.model_copy(update={"max_steps": defaults.max_steps})
+    if config.budget.max_tool_calls == 0:
+        budget = config.budget.model_copy(update={"max_tool_calls": defaults.max_tool_calls})
+        config = config.model_copy(update={"budget": budget})
     return NewRun(
         run_id=cmd.run_id,
         agent_id=cmd.agent_id,
@@ -95,10 +110,12 @@ def new_run(cmd: StartCommand, defaults: RunDefaults) -> NewRun:
 
 @dataclass(frozen=True)
 class Stored:
-    """The run and its live pause as the command's first read found them (None where absent)."""
+    """The run and its live pause as the command's first read found them (None where absent), and the
+    state of the checkpoint a decision names (None when it names none of this run's)."""
 
     run: Run | None
     pause: Suspension | None
+    checkpoint_state: str | None = None
 
     def pause_pinned(self, scope: Scope, version: ClaimVersion) -> Suspension:
         """The live pause ``version`` names, or why there is none to answer."""
@@ -186,6 +203,10 @@ class CommandStore:
         """An approval decision. ``principal`` is the broker-validated sender, never the body's word."""
 
         def check(scope: Scope, stored: Stored) -> Answer:
+            if stored.checkpoint_state not in (None, "pending"):
+                # The original: a decision on a checkpoint that is no longer pending is invalid_state, even
+                # though its pause is gone by now (which alone would read as not_suspended).
+                raise InvalidState(f"checkpoint {cmd.checkpoint_id} is no longer pending: {stored.checkpoint_state}")
             pause = stored.pause_pinned(scope, cmd.version)
             check_authority(Source.DECISION, pause)
             if pause.checkpoint_id != cmd.checkpoint_id:
@@ -199,7 +220,9 @@ class CommandStore:
                 decision=Decided(cmd.checkpoint_id, state, principal, cmd.reason),
             )
 
-        return await self._answer(cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check)
+        return await self._answer(
+            cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check, checkpoint_id=cmd.checkpoint_id
+        )
 
     async def expire(
         self, cmd: ExpireCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
@@ -221,22 +244,64 @@ class CommandStore:
 
     async def cancel(
         self, cmd: CancelCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
-    ) -> Claimed:
-        """Claim a paused run with ``ending = cancel``; a run that already ended is InvalidState."""
+    ) -> Claimed | None:
+        """End a run as cancelled; a run that already ended is InvalidState.
 
-        def check(scope: Scope, stored: Stored) -> Answer:
-            run = stored.run
-            if run is None:
-                raise NotSuspended(f"no run {cmd.run_id} at scope {scope}")
-            if run.state.is_terminal:
-                raise InvalidState(f"run {cmd.run_id} already ended {run.state.value}")
-            if stored.pause is None or run.state is not RunState.PAUSED:
-                raise NotSuspended(f"run {cmd.run_id} is not paused")
-            version = ClaimVersion(run_id=cmd.run_id, suspension_id=stored.pause.id, run_revision=run.revision)
-            first = ending_progress(stored.pause, Ending(kind=EndingKind.CANCEL, reason=cmd.reason), lease.owner)
-            return Answer(version, first, stored.pause, announce=False)
+        A PAUSED run is claimed with ``ending = cancel`` and handed to this worker, which ends it. A RUNNING
+        run held under a lease (live, or lapsed with its worker dead) is asked to end: the request is kept
+        on its row (``intermission_request_ending_v1``) and nothing is handed over (None): its holder ends it
+        cancelled at its next boundary, or whoever takes it over does. A run running under the original's
+        plain claim holds no lease and nobody here could end it: NotSuspended, and nothing is touched
+        (scenario 31).
 
-        return await self._answer(cmd.scope, cmd.run_id, lease, receipt, correlation_id, check)
+        The read and the write are two round trips, and the run may move between them (resumed and paused
+        again on a new pause, or claimed, or paused): the cancel then reads again and acts on what it finds
+        now, so a run that merely moved on is never refused (run_conflict, not_suspended). It gives up with
+        a TransientError (retried) only if the run changed under it every time.
+        """
+        scope = require_scope(cmd.scope)
+        check_lease(lease)
+        ending = Ending(kind=EndingKind.CANCEL, reason=cmd.reason)
+        for _ in range(CANCEL_ATTEMPTS):
+            async with self.db.connection() as con:
+                stored = await self._read(con, scope, cmd.run_id, receipt)
+                run = stored.run
+                if run is None:
+                    raise NotSuspended(f"no run {cmd.run_id} at scope {scope}")
+                if run.state.is_terminal:
+                    raise InvalidState(f"run {cmd.run_id} already ended {run.state.value}")
+                if run.state is RunState.RUNNING:
+                    requested = await con.fetchrow(
+                        "request_ending",
+                        run_id=cmd.run_id,
+                        app=scope.app,
+                        tenant=scope.tenant,
+                        ending=rows.dump(ending),
+                        message_id=receipt.message_id if receipt is not None else None,
+                        routing_key=receipt.routing_key if receipt is not None else None,
+                        digest=receipt.body_digest if receipt is not None else None,
+                    )
+                    assert requested is not None  # the function always returns its one row
+                    outcome = requested["outcome"]
+                    if receipt is not None:
+                        receipt.refuse(outcome)
+                    if outcome in ("requested", "ending_before"):
+                        return None
+                    if outcome == "not_leased":
+                        raise NotSuspended(
+                            f"run {cmd.run_id} runs under a claim without a lease: only its claimer can end it"
+                        )
+                    continue  # not running any more: it paused or ended meanwhile
+                if stored.pause is None or run.state is not RunState.PAUSED:
+                    raise NotSuspended(f"run {cmd.run_id} is neither paused nor running")
+                version = ClaimVersion(run_id=cmd.run_id, suspension_id=stored.pause.id, run_revision=run.revision)
+                first = ending_progress(stored.pause, ending, lease.owner)
+                answer = Answer(version, first, stored.pause, announce=False)
+                try:
+                    return await self._claim(con, scope, cmd.run_id, lease, receipt, correlation_id, stored, answer)
+                except (RunConflict, NotSuspended):
+                    continue  # resumed (and perhaps paused again) between the read and the claim
+        raise TransientError(f"run {cmd.run_id} changed under the cancel {CANCEL_ATTEMPTS} times; try again")
 
     async def _answer(
         self,
@@ -246,50 +311,76 @@ class CommandStore:
         receipt: Receipt | None,
         correlation_id: str | None,
         check: Callable[[Scope, Stored], Answer],
+        *,
+        checkpoint_id: int | None = None,
     ) -> Claimed:
         scope = require_scope(scope)
         check_lease(lease)
         async with self.db.connection() as con:
-            row = await con.fetchrow(
-                "read_for_command",
+            stored = await self._read(con, scope, run_id, receipt, checkpoint_id)
+            return await self._claim(con, scope, run_id, lease, receipt, correlation_id, stored, check(scope, stored))
+
+    @staticmethod
+    async def _read(
+        con: Conn, scope: Scope, run_id: str, receipt: Receipt | None, checkpoint_id: int | None = None
+    ) -> Stored:
+        """The command's first round trip: the run, its pause, the inbox (a recorded message_id is
+        AlreadyApplied or MessageIdConflict here) and the named checkpoint's state."""
+        row = await con.fetchrow(
+            "read_for_command",
+            run_id,
+            scope.app,
+            scope.tenant,
+            receipt.message_id if receipt is not None else None,
+            checkpoint_id,
+        )
+        assert row is not None  # the read always returns its one row
+        if receipt is not None:
+            receipt.check_recorded(row["i_routing_key"], row["i_body_digest"], row["i_outcome"])
+        return Stored(
+            run=rows.run_from_row(row["run"]) if row["run"] is not None else None,
+            pause=rows.suspension_from_row(row["pause"]) if row["pause"] is not None else None,
+            checkpoint_state=row["k_state"],
+        )
+
+    @staticmethod
+    async def _claim(
+        con: Conn,
+        scope: Scope,
+        run_id: str,
+        lease: Lease,
+        receipt: Receipt | None,
+        correlation_id: str | None,
+        stored: Stored,
+        answer: Answer,
+    ) -> Claimed:
+        """The command's transition: the claim pinned to what was read and checked, with everything that
+        commits with it."""
+        version = answer.version
+        event = (
+            outbox.run_event(
+                RunEvent(kind=RunEventKind.RESUMED, run_id=run_id, revision=version.run_revision + 1, scope=scope),
+                correlation_id,
+            )
+            if answer.announce
+            else None
+        )
+        result = await con.fetchrow(
+            "claim_pause",
+            **claim_arguments(
+                scope,
                 run_id,
-                scope.app,
-                scope.tenant,
-                receipt.message_id if receipt is not None else None,
-            )
-            assert row is not None  # the read always returns its one row
-            if receipt is not None:
-                receipt.check_recorded(row["i_routing_key"], row["i_body_digest"], row["i_outcome"])
-            stored = Stored(
-                run=rows.run_from_row(row["run"]) if row["run"] is not None else None,
-                pause=rows.suspension_from_row(row["pause"]) if row["pause"] is not None else None,
-            )
-            answer = check(scope, stored)
-            version = answer.version
-            event = (
-                outbox.run_event(
-                    RunEvent(kind=RunEventKind.RESUMED, run_id=run_id, revision=version.run_revision + 1, scope=scope),
-                    correlation_id,
-                )
-                if answer.announce
-                else None
-            )
-            result = await con.fetchrow(
-                "claim_pause",
-                **claim_arguments(
-                    scope,
-                    run_id,
-                    version=version,
-                    expired_by=answer.expired_by,
-                    lease=lease,
-                    first=answer.first,
-                    answers_only=True,
-                    drop_pause=True,
-                    receipt=receipt,
-                    decision=answer.decision,
-                    event=event,
-                ),
-            )
+                version=version,
+                expired_by=answer.expired_by,
+                lease=lease,
+                first=answer.first,
+                answers_only=True,
+                drop_pause=True,
+                receipt=receipt,
+                decision=answer.decision,
+                event=event,
+            ),
+        )
         assert result is not None
         outcome = result["outcome"]
         if receipt is not None:
@@ -309,7 +400,9 @@ class CommandStore:
         progress = answer.first.model_copy(update={"scope": scope, "updated_at": result["first_updated_at"]})
         return Claimed(run=run, progress=progress, suspension=answer.suspension, correlation_id=correlation_id)
 
-    async def reply(self, cmd: ReplyCommand, lease: Lease, *, correlation_id: str | None = None) -> Claimed | None:
+    async def reply(
+        self, cmd: ReplyCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
+    ) -> Claimed | None:
         """The messaging bus's reply to an ``agent_reply`` pause (the caller has checked that the sender IS
         the bus). Admit (claim the pause, keep the input bytes exactly, take the lease, write the first
         snapshot, announce run.resumed), then start (the single grant of execution).
@@ -317,9 +410,13 @@ class CommandStore:
         A redelivered reply is the identical admission request: it gets the stored admission back and the
         start is granted at most once, so a reply interrupted between admit and start is finished by its
         redelivery, and one that started is not run again (None). The admission is the reply's idempotency
-        record: a different reply for the same pause is resume_admission_conflict.
+        record: a different reply for the same pause is resume_admission_conflict. Its ``receipt`` is
+        recorded in the inbox with the admission too, so that its message_id can never stand for another
+        command: a message_id recorded for a different body is message_id_conflict, whatever the pause.
         """
         scope = require_scope(cmd.scope)
+        if receipt is not None:
+            await self._refuse_reused_message_id(receipt)
         evidence = ResumeStore(self.db, scope)
         request = ResumeAdmissionRequest(scope=scope, version=cmd.version, input=cmd.input.encode("utf-8"))
         try:
@@ -332,7 +429,7 @@ class CommandStore:
         check_authority(Source.BUS, suspension)
         first = reply_progress(suspension, cmd.reply_with, cmd.input, lease.owner)
         admission = await evidence.admit_resume_leased(
-            request, lease, first, correlation_id=correlation_id, pause=suspension
+            request, lease, first, correlation_id=correlation_id, pause=suspension, receipt=receipt
         )
         started = await evidence.start_resume_leased(
             cmd.version.run_id, cmd.version.suspension_id, admission.request_digest, lease, first
@@ -345,6 +442,15 @@ class CommandStore:
             suspension=started.suspension,
             correlation_id=correlation_id,
         )
+
+    async def _refuse_reused_message_id(self, receipt: Receipt) -> None:
+        """MessageIdConflict when ``receipt``'s message_id is recorded for a different command. Recorded for
+        this very command it is no refusal here: a reply's redelivery goes on to its admission, which it
+        finds, and to the start its first delivery may not have reached."""
+        async with self.db.connection() as con:
+            row = await con.fetchrow("recorded_command", receipt.message_id)
+        if row is not None and (row["body_digest"], row["routing_key"]) != (receipt.body_digest, receipt.routing_key):
+            raise MessageIdConflict(f"message_id {receipt.message_id} was used for a different command")
 
     @staticmethod
     async def _raise_if_admitted(

@@ -169,8 +169,13 @@ class Database:
     worker's relay is woken for them.
     """
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, *, dsn: str | None = None, server_settings: dict[str, str] | None = None
+    ) -> None:
         self.pool = pool
+        # Kept for the connections a process needs beside the pool (``connect_dedicated``).
+        self.dsn = dsn
+        self.server_settings = dict(server_settings or {})
         self._outbox_listeners: list[Callable[[], None]] = []
 
     def on_outbox_commit(self, wake: Callable[[], None]) -> Callable[[], None]:
@@ -207,7 +212,21 @@ class Database:
                 server_settings=settings,
                 reset=_keep_session,
             )
-        return cls(pool)
+        return cls(pool, dsn=dsn, server_settings=settings)
+
+    async def connect_dedicated(self, application_name: str, *, command_timeout: float) -> Conn:
+        """A connection of its own, outside the pool, to the same database with the same session settings:
+        for work that must never queue behind the pool's borrowers (lease renewal, ``store/leases.py``).
+        The caller closes it (``Conn.raw``)."""
+        if self.dsn is None:
+            raise StoreError("this database was not opened from a DSN, so it cannot open a connection of its own")
+        settings = {**self.server_settings, "application_name": application_name}
+        with translated():
+            # The connect is bounded too: a caller that must act by its own clock cannot wait out a minute.
+            raw = await asyncpg.connect(
+                self.dsn, timeout=command_timeout, command_timeout=command_timeout, server_settings=settings
+            )
+        return Conn(raw)
 
     async def close(self, grace: float = 10.0) -> None:
         """Wait for connections to be released, up to ``grace`` seconds, then terminate the rest."""

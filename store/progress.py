@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from intermission.schemas.errors import ProgressNotFound, RunLeaseLost
 from intermission.schemas.scope import Scope
-from intermission.schemas.suspension import Progress
+from intermission.schemas.suspension import Ending, Progress
 from intermission.store import rows
 from intermission.store.db import Database
 
@@ -19,21 +19,27 @@ class ProgressStore:
     async def save_progress(self, p: Progress) -> Progress:
         """Upsert the run's snapshot, only while the run is running under ``p.owner``'s live lease;
         RunLeaseLost otherwise, and nothing is written. An empty owner never matches, not even a run that
-        holds no lease. Returns the snapshot with the scope and time the store gave it."""
+        holds no lease. The run row takes the snapshot's step and token counts in the same statement.
+
+        Returns the snapshot as stored: with the scope and time the store gave it, and with the end asked of
+        the run while it ran (a cancel), which no snapshot can take back, as its ``ending``."""
         if not p.owner:  # refused before any I/O, like a half lease
             raise RunLeaseLost("an empty owner never holds a lease")
         async with self.db.connection() as con:
-            updated_at = await con.fetchval(
+            row = await con.fetchrow(
                 "save_progress",
                 run_id=p.run_id,
                 app=self.scope.app,
                 tenant=self.scope.tenant,
                 owner=p.owner,
                 **rows.progress_arguments(p),
+                step_count=p.continuation.step_index,
+                tokens_used=p.continuation.tokens_used,
             )
-        if updated_at is None:
+        if row is None or row["saved_at"] is None:
             raise RunLeaseLost(f"{p.owner} does not hold a live lease on run {p.run_id} at scope {self.scope}")
-        return p.model_copy(update={"scope": self.scope, "updated_at": updated_at})
+        asked = None if row["ending"] is None else rows.load_model(Ending, row["ending"], "run ending")
+        return p.model_copy(update={"scope": self.scope, "updated_at": row["saved_at"], "ending": asked or p.ending})
 
     async def get_progress(self, run_id: str) -> Progress:
         async with self.db.connection() as con:

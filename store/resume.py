@@ -36,6 +36,7 @@ from intermission.schemas.errors import (
     Forbidden,
     InvalidArgument,
     InvalidState,
+    MessageIdConflict,
     NotAgentReplyResumable,
     NotSuspended,
     ResumeAdmissionConflict,
@@ -64,6 +65,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Progress, Suspension
 from intermission.store import outbox, rows
 from intermission.store.db import Conn, Database
+from intermission.store.inbox import Receipt
 from intermission.store.runs import end_arguments
 from intermission.store.suspensions import refusal
 
@@ -217,7 +219,7 @@ def _expiry(row: asyncpg.Record) -> ResumeExpiry:
 
 def _closure(row: asyncpg.Record) -> ResumeClosure:
     return ResumeClosure(
-        request=ResumeClosureRequest.model_validate_json(row["request"]),
+        request=rows.load_model(ResumeClosureRequest, row["request"], "closure request"),
         request_digest=row["request_digest"],
         event_id=row["event_id"],
         run_revision=row["run_revision"],
@@ -264,14 +266,16 @@ class ResumeStore:
         *,
         correlation_id: str | None = None,
         pause: Suspension | None = None,
+        receipt: Receipt | None = None,
     ) -> ResumeAdmission:
         """``admit_resume`` that also takes the run's lease and writes ``first`` in the claiming
         transaction: an admitter that dies before it starts leaves a lease that lapses and the reply in the
         snapshot. An admission recorded before is returned as it is and takes nothing. ``pause`` is the
-        pinned pause when the caller has just read it."""
+        pinned pause when the caller has just read it. ``receipt`` is the delivering command's inbox record,
+        written with the claim: its message_id recorded for a different command is MessageIdConflict."""
         _check_admission_request(self.scope, req)
         _check_lease(lease, req.version.run_id, first)
-        return await self._admit(req, lease, first, correlation_id, pause)
+        return await self._admit(req, lease, first, correlation_id, pause, receipt)
 
     async def _admit(
         self,
@@ -280,6 +284,7 @@ class ResumeStore:
         first: Progress | None,
         correlation_id: str | None,
         pause: Suspension | None,
+        receipt: Receipt | None = None,
     ) -> ResumeAdmission:
         version = req.version
         wanted = req.digest()
@@ -309,10 +314,16 @@ class ResumeStore:
                 request_digest=wanted,
                 # The pause as read, its transient fields left out: this binds the stored pause and nothing else.
                 suspension_digest=canonical_digest(pause) if pause is not None else None,
+                message_id=receipt.message_id if receipt is not None else None,
+                routing_key=receipt.routing_key if receipt is not None else None,
+                digest=receipt.body_digest if receipt is not None else None,
                 **outbox.run_event(resumed, correlation_id).arguments(),
             )
         assert row is not None  # the function always returns its one row
         outcome = row["outcome"]
+        if outcome == "message_id_conflict":
+            assert receipt is not None
+            raise MessageIdConflict(f"message_id {receipt.message_id} was used for a different command")
         if outcome in ("admitted", "admitted_before"):
             return _admission(row["admission"], fresh=outcome == "admitted")
         if outcome == "resume_admission_conflict":
@@ -566,7 +577,7 @@ class ResumeStore:
             error = INCOMPLETE_ERROR.format(suspension_id=suspension_id, proof_ref=frozen.proof_ref)
             event_id = uuid.uuid4()
             # No lease: the closure holds the run's row lock and binds the revision it just checked.
-            revision = await con.fetchval(
+            ended = await con.fetchrow(
                 "end_run",
                 owner=None,
                 at_revision=frozen.run_revision,
@@ -594,6 +605,8 @@ class ResumeStore:
                     },
                 ),
             )
+            assert ended is not None
+            revision = ended["revision"]
             assert revision is not None  # locked, running, at the bound revision: checked above
             closed_at = await con.fetchval(
                 "resume_insert_closure",

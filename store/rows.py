@@ -1,7 +1,10 @@
 """Rows to domain models, and domain models to column values.
 
-Stored JSON is decoded with pydantic's JSON mode, so bytes come back from base64 exactly and a malformed
-row is an ``InvalidContinuation`` at the boundary, not a half-restored run several steps later.
+Stored JSON is decoded with pydantic's JSON mode, so bytes come back from base64 exactly, and STRICTLY, so
+a malformed row is an ``InvalidContinuation`` at the boundary, not a half-restored run several steps later:
+``"step_index": "3"`` or ``"tools_restricted": "true"`` is malformed, never coerced (lax mode would continue
+a run on values nobody wrote as such). A stored record without ``schema_version`` reads as legacy 0
+(``schemas/base.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any, TypeVar
 import asyncpg
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from intermission.schemas.base import STORED
 from intermission.schemas.config import RunConfig
 from intermission.schemas.errors import InvalidArgument, InvalidContinuation
 from intermission.schemas.llm import Message
@@ -72,14 +76,14 @@ def dump_list(adapter: TypeAdapter[list[T]], values: list[T]) -> str:
 
 def load_model(model: type[M], raw: str, what: str) -> M:
     try:
-        return model.model_validate_json(raw)
+        return model.model_validate_json(raw, strict=True, context=STORED)
     except ValidationError as exc:
         raise InvalidContinuation(f"stored {what} is malformed: {exc.error_count()} error(s)") from exc
 
 
 def _load_list(adapter: TypeAdapter[T], raw: str, what: str) -> T:
     try:
-        return adapter.validate_json(raw)
+        return adapter.validate_json(raw, strict=True, context=STORED)
     except ValidationError as exc:
         raise InvalidContinuation(f"stored {what} is malformed: {exc.error_count()} error(s)") from exc
 
@@ -89,6 +93,7 @@ def run_from_row(row: asyncpg.Record, prefix: str = "") -> Run:
         return row[prefix + name]
 
     script_raw = col("script")
+    ending_raw = col("ending")
     return Run(
         id=col("id"),
         scope=Scope(app=col("app"), tenant=col("tenant")),
@@ -106,6 +111,7 @@ def run_from_row(row: asyncpg.Record, prefix: str = "") -> Run:
         pause_ttl_seconds=col("pause_ttl_seconds"),
         step_count=col("step_count"),
         tokens_used=col("tokens_used"),
+        ending=None if ending_raw is None else load_model(Ending, ending_raw, "run ending"),
         created_at=col("created_at"),
         updated_at=col("updated_at"),
     )

@@ -15,6 +15,7 @@ import math
 import uuid
 from dataclasses import dataclass, field
 
+from intermission.schemas.config import REDACTED_ARGUMENTS, RunConfig
 from intermission.schemas.digest import digest
 from intermission.schemas.errors import (
     InvalidArgument,
@@ -23,10 +24,11 @@ from intermission.schemas.errors import (
     RunLeaseLost,
     RunNotFound,
     RunNotReclaimable,
+    UnsupportedConfig,
 )
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.llm import Message
-from intermission.schemas.run import Lease, NewRun, Run, RunState
+from intermission.schemas.run import Ending, Lease, NewRun, Run, RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, Notice, PendingCall, Progress, SuspendReason, Suspension
 from intermission.store import outbox, rows
@@ -75,12 +77,39 @@ class Reclaimed:
     progress: Progress | None
 
 
+class EndingRequested(Exception):
+    """The run was asked to end while it ran (a cancel: ``runs.ending``), so its holder's pause, or an end
+    other than that one, wrote nothing: the holder must finish ``ending`` instead. Not an error of anybody's
+    request, so not an IntermissionError: it never leaves the fleet."""
+
+    def __init__(self, run_id: str, ending: Ending) -> None:
+        super().__init__(f"run {run_id} was asked to end: {ending.kind.value}")
+        self.run_id = run_id
+        self.ending = ending
+
+
+def _ending(raw: str | None) -> Ending | None:
+    return None if raw is None else rows.load_model(Ending, raw, "run ending")
+
+
+def publishable(pending: list[PendingCall], config: RunConfig) -> list[PendingCall]:
+    """The pending calls as a Notice of a run under ``config`` may carry them outside: with their arguments
+    redacted when its publication policy says so."""
+    if not config.publication.redact_arguments:
+        return pending
+    return [call.model_copy(update={"arguments": REDACTED_ARGUMENTS}) for call in pending]
+
+
 def check_lease(lease: Lease) -> None:
     if not lease.is_set:
         raise RunLeaseLost("a lease needs both an owner and a ttl")
 
 
 def check_new_run(new: NewRun, lease: Lease | None, first: Progress | None) -> None:
+    unsupported = new.config.unsupported()
+    if unsupported:
+        # Before anything is written: a run is never started on a config it would then silently ignore.
+        raise UnsupportedConfig("; ".join(unsupported))
     if lease is not None:
         check_lease(lease)
     if first is not None:
@@ -107,8 +136,10 @@ def end_arguments(
     run_event_id: uuid.UUID | None = None,
     run_event_kind: str | None = None,
     run_event_data: dict[str, object] | None = None,
+    counts: Continuation | None = None,
 ) -> dict[str, object]:
-    """Everything the end transition takes but who may end the run (``owner``, ``at_revision``)."""
+    """Everything the end transition takes but who may end the run (``owner``, ``at_revision``). ``counts``
+    is the continuation whose step and token counts the run row ends with (None keeps those stored)."""
     state = END_STATES.get(kind)
     if state is None:
         raise InvalidArgument(f"{kind.value} is not an end")
@@ -133,6 +164,8 @@ def end_arguments(
         ),
         "event": announced.body,
         **announced.arguments(body=False),
+        "step_count": counts.step_index if counts is not None else None,
+        "tokens_used": counts.tokens_used if counts is not None else None,
     }
 
 
@@ -256,13 +289,14 @@ class RunStore:
             # NaN compares false both ways: unchecked it would read as "no deadline".
             raise InvalidArgument("a pause ttl must be a finite, non-negative number of seconds")
         # The Notice as far as it is known here; the pause's transaction adds its id, deadline, checkpoint
-        # and the run's new revision.
+        # and the run's new revision. It carries the pending calls as the run's publication policy lets it:
+        # the stored pause keeps their arguments, for whoever must execute them.
         known = Notice(
             suspension_id=0,
             run_id=run_id,
             run_revision=0,
             reason=pause.reason,
-            pending=pause.pending,
+            pending=publishable(pause.pending, pause.continuation.config),
             approvers=pause.approvers,
             scope=self.scope,
         )
@@ -285,6 +319,9 @@ class RunStore:
                 **event.arguments(body=False),
             )
         if row is None or row["revision"] is None:
+            ending = _ending(row["ending"]) if row is not None else None
+            if ending is not None:
+                raise EndingRequested(run_id, ending)
             raise RunLeaseLost(f"{owner or 'an empty owner'} does not hold run {run_id}")
         written = row["pause"]
         suspension = Suspension(
@@ -319,10 +356,15 @@ class RunStore:
         error: str | None = None,
         correlation_id: str | None = None,
         own_messages: list[Message] | None = None,
+        counts: Continuation | None = None,
     ) -> RunEvent:
         """End a running run held by ``owner``, in ONE transaction with its metadata event and its
-        ``run.<kind>`` event: progress and any pause are removed, undecided checkpoints are closed, and the
-        run's OWN messages (never its loaded history) are appended to the session it started in."""
+        ``run.<kind>`` event: progress and any pause are removed, undecided checkpoints are closed, the
+        run's OWN messages (never its loaded history) are appended to the session it started in, and the
+        run row takes the step and token counts of ``counts`` (the continuation it ended at).
+
+        A run asked to end while it ran (a cancel) ends only as cancelled: any other end is EndingRequested
+        and writes nothing."""
         named = end_arguments(
             self.scope,
             run_id,
@@ -331,10 +373,15 @@ class RunStore:
             error=error,
             correlation_id=correlation_id,
             own_messages=own_messages,
+            counts=counts,
         )
         async with self.db.connection() as con:
-            revision = await con.fetchval("end_run", owner=owner, at_revision=None, **named)
+            row = await con.fetchrow("end_run", owner=owner, at_revision=None, **named)
+        revision = row["revision"] if row is not None else None
         if revision is None:
+            ending = _ending(row["ending"]) if row is not None else None
+            if ending is not None:
+                raise EndingRequested(run_id, ending)
             raise RunLeaseLost(f"{owner or 'an empty owner'} does not hold run {run_id}")
         return RunEvent(kind=kind, run_id=run_id, revision=revision, scope=self.scope, output=output, error=error)
 

@@ -70,15 +70,20 @@ CREATE TABLE public.resume_admissions (
 
 
 --
--- Name: intermission_admit_resume_v1(text, text, text, bigint, bigint, text, double precision, jsonb, jsonb, integer, bytea, text, text, uuid, text, text, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
+-- Name: intermission_admit_resume_v1(text, text, text, bigint, bigint, text, double precision, jsonb, jsonb, integer, bytea, text, text, text, text, text, uuid, text, text, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.intermission_admit_resume_v1(p_run_id text, p_app text, p_tenant text, p_suspension_id bigint, p_revision bigint, p_lease_owner text, p_lease_ttl double precision, p_first_continuation jsonb, p_first_done jsonb, p_schema_version integer, p_input bytea, p_request_digest text, p_suspension_digest text, p_event_message_id uuid, p_event_routing_key text, p_event_body text, p_event_correlation_id text, p_event_headers jsonb, OUT outcome text, OUT admission public.resume_admissions, OUT revision bigint, OUT suspension_id bigint, OUT expires_at timestamp with time zone) RETURNS record
+CREATE FUNCTION public.intermission_admit_resume_v1(p_run_id text, p_app text, p_tenant text, p_suspension_id bigint, p_revision bigint, p_lease_owner text, p_lease_ttl double precision, p_first_continuation jsonb, p_first_done jsonb, p_schema_version integer, p_input bytea, p_request_digest text, p_suspension_digest text, p_message_id text, p_routing_key text, p_digest text, p_event_message_id uuid, p_event_routing_key text, p_event_body text, p_event_correlation_id text, p_event_headers jsonb, OUT outcome text, OUT admission public.resume_admissions, OUT revision bigint, OUT suspension_id bigint, OUT expires_at timestamp with time zone) RETURNS record
     LANGUAGE plpgsql
     AS $$
 DECLARE
     v_claim record;
 BEGIN
+    IF p_message_id IS NOT NULL AND EXISTS (SELECT 1 FROM inbox i WHERE i.message_id = p_message_id)
+       AND intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest) = 'message_id_conflict' THEN
+        outcome := 'message_id_conflict';
+        RETURN;
+    END IF;
     FOR attempt IN 1..2 LOOP
         SELECT a.* INTO admission FROM resume_admissions a
          WHERE a.run_id = p_run_id AND a.suspension_id = p_suspension_id AND a.app = p_app
@@ -100,7 +105,7 @@ BEGIN
             p_first => p_first_continuation IS NOT NULL, p_first_continuation => p_first_continuation,
             p_first_started => NULL, p_first_done => p_first_done, p_first_ending => NULL,
             p_first_approved => NULL, p_drop_pause => false,
-            p_message_id => NULL, p_routing_key => NULL, p_digest => NULL,
+            p_message_id => p_message_id, p_routing_key => p_routing_key, p_digest => p_digest,
             p_checkpoint_id => NULL, p_checkpoint_state => NULL, p_decided_by => NULL, p_decision_reason => NULL,
             p_event_message_id => p_event_message_id, p_event_routing_key => p_event_routing_key,
             p_event_body => p_event_body, p_event_correlation_id => p_event_correlation_id,
@@ -111,8 +116,13 @@ BEGIN
         suspension_id := v_claim.suspension_id;
         expires_at := v_claim.expires_at;
         EXIT WHEN outcome = 'claimed';
-        -- Lost or refused: perhaps because this pause was admitted meanwhile (by this request's earlier
-        -- attempt, or by a rival that won the row lock; its admission is committed by now). Look again.
+        IF outcome = 'message_id_conflict' THEN
+            -- A rival with this message_id but another body committed first.
+            RETURN;
+        END IF;
+        -- Lost or refused ('duplicate' included: this very reply, delivered twice at once, committed first):
+        -- perhaps because this pause was admitted meanwhile (by this request's earlier attempt, or by a rival
+        -- that won the row lock; its admission is committed by now). Look again.
     END LOOP;
 
     INSERT INTO resume_admissions (run_id, suspension_id, app, tenant, schema_version, pinned_revision, input,
@@ -151,8 +161,10 @@ CREATE TABLE public.runs (
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     ended_at timestamp with time zone,
+    ending jsonb,
     CONSTRAINT runs_agent_id_check CHECK (((length(agent_id) >= 1) AND (length(agent_id) <= 128))),
     CONSTRAINT runs_app_check CHECK ((app ~ '^[A-Za-z0-9_-]{1,64}$'::text)),
+    CONSTRAINT runs_ending_only_running CHECK (((ending IS NULL) OR (state = 'running'::public.run_state))),
     CONSTRAINT runs_id_check CHECK ((id ~ '^[A-Za-z0-9_.:-]{1,128}$'::text)),
     CONSTRAINT runs_lease_only_running CHECK (((lease_owner IS NULL) OR (state = 'running'::public.run_state))),
     CONSTRAINT runs_lease_owner_not_empty CHECK (((lease_owner IS NULL) OR (lease_owner <> ''::text))),
@@ -327,23 +339,24 @@ $$;
 
 
 --
--- Name: intermission_end_run_v1(text, text, text, text, bigint, public.run_state, text, text, jsonb, text, uuid, text, jsonb, jsonb, uuid, text, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
+-- Name: intermission_end_run_v1(text, text, text, text, bigint, public.run_state, text, text, jsonb, text, uuid, text, jsonb, jsonb, uuid, text, text, jsonb, integer, bigint); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.intermission_end_run_v1(p_run_id text, p_app text, p_tenant text, p_owner text, p_at_revision bigint, p_state public.run_state, p_output text, p_error text, p_messages jsonb, p_checkpoint_reason text, p_run_event_id uuid, p_run_event_kind text, p_run_event_data jsonb, p_event jsonb, p_event_message_id uuid, p_event_routing_key text, p_event_correlation_id text, p_event_headers jsonb) RETURNS bigint
+CREATE FUNCTION public.intermission_end_run_v1(p_run_id text, p_app text, p_tenant text, p_owner text, p_at_revision bigint, p_state public.run_state, p_output text, p_error text, p_messages jsonb, p_checkpoint_reason text, p_run_event_id uuid, p_run_event_kind text, p_run_event_data jsonb, p_event jsonb, p_event_message_id uuid, p_event_routing_key text, p_event_correlation_id text, p_event_headers jsonb, p_step_count integer, p_tokens_used bigint, OUT revision bigint, OUT ending jsonb) RETURNS record
     LANGUAGE plpgsql
     AS $$
-DECLARE
-    v_revision bigint;
 BEGIN
     WITH ended AS (
         UPDATE runs r
            SET state = p_state, revision = r.revision + 1, lease_owner = NULL, lease_expires_at = NULL,
-               output = p_output, error = p_error, updated_at = now(), ended_at = now()
+               output = p_output, error = p_error, updated_at = now(), ended_at = now(), ending = NULL,
+               step_count = COALESCE(p_step_count, r.step_count),
+               tokens_used = COALESCE(p_tokens_used, r.tokens_used)
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
            AND CASE WHEN p_owner IS NULL
                     THEN p_at_revision IS NOT NULL AND r.revision = p_at_revision
                     ELSE p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now()
+                         AND (r.ending IS NULL OR p_state = 'cancelled')
                END
         RETURNING r.id, r.app, r.tenant, r.revision, r.session_id
     ), saved AS (
@@ -369,8 +382,12 @@ BEGIN
                p_event_correlation_id, p_event_headers, e.app, e.tenant, e.id
           FROM ended e
     )
-    SELECT e.revision INTO v_revision FROM ended e;
-    RETURN v_revision;
+    SELECT e.revision INTO revision FROM ended e;
+    IF revision IS NULL AND p_owner IS NOT NULL THEN
+        SELECT r.ending INTO ending FROM runs r
+         WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
+           AND p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now();
+    END IF;
 END;
 $$;
 
@@ -379,7 +396,7 @@ $$;
 -- Name: intermission_pause_run_v1(text, text, text, text, public.suspend_reason, jsonb, jsonb, text[], double precision, integer, bigint, jsonb, uuid, text, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.intermission_pause_run_v1(p_run_id text, p_app text, p_tenant text, p_owner text, p_reason public.suspend_reason, p_pending jsonb, p_continuation jsonb, p_approvers text[], p_ttl double precision, p_step_count integer, p_tokens_used bigint, p_notice jsonb, p_event_message_id uuid, p_event_routing_key text, p_event_correlation_id text, p_event_headers jsonb, OUT revision bigint, OUT pause public.suspensions) RETURNS record
+CREATE FUNCTION public.intermission_pause_run_v1(p_run_id text, p_app text, p_tenant text, p_owner text, p_reason public.suspend_reason, p_pending jsonb, p_continuation jsonb, p_approvers text[], p_ttl double precision, p_step_count integer, p_tokens_used bigint, p_notice jsonb, p_event_message_id uuid, p_event_routing_key text, p_event_correlation_id text, p_event_headers jsonb, OUT revision bigint, OUT pause public.suspensions, OUT ending jsonb) RETURNS record
     LANGUAGE plpgsql
     AS $$
 DECLARE
@@ -391,6 +408,7 @@ BEGIN
                step_count = p_step_count, tokens_used = p_tokens_used, updated_at = now()
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
            AND p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now()
+           AND r.ending IS NULL
         RETURNING r.id, r.app, r.tenant, r.revision, COALESCE(p_ttl, r.pause_ttl_seconds) AS ttl
     ), drawn AS (
         SELECT m.*, nextval('suspension_ids') AS suspension_id FROM moved m
@@ -428,6 +446,11 @@ BEGIN
     SELECT d.revision, c.created_pause INTO v_result FROM drawn d, created c;
     revision := v_result.revision;
     pause := v_result.created_pause;
+    IF revision IS NULL THEN
+        SELECT r.ending INTO ending FROM runs r
+         WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
+           AND p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now();
+    END IF;
 END;
 $$;
 
@@ -452,26 +475,83 @@ $$;
 
 
 --
--- Name: intermission_save_progress_v1(text, text, text, text, jsonb, jsonb, jsonb, jsonb, jsonb); Type: FUNCTION; Schema: public; Owner: -
+-- Name: intermission_request_ending_v1(text, text, text, jsonb, text, text, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.intermission_save_progress_v1(p_run_id text, p_app text, p_tenant text, p_owner text, p_continuation jsonb, p_started jsonb, p_done jsonb, p_ending jsonb, p_approved jsonb) RETURNS timestamp with time zone
+CREATE FUNCTION public.intermission_request_ending_v1(p_run_id text, p_app text, p_tenant text, p_ending jsonb, p_message_id text, p_routing_key text, p_digest text, OUT outcome text, OUT revision bigint, OUT lease_owner text) RETURNS record
     LANGUAGE plpgsql
     AS $$
 DECLARE
-    v_updated_at timestamptz;
+    v_result record;
+    v_run runs;
+BEGIN
+    WITH recorded AS (
+        INSERT INTO inbox (message_id, routing_key, body_digest, outcome, app, tenant, run_id)
+        SELECT p_message_id, p_routing_key, p_digest, 'applied', p_app, p_tenant, p_run_id
+         WHERE p_message_id IS NOT NULL
+        ON CONFLICT (message_id) DO NOTHING
+        RETURNING 1
+    ), asked AS (
+        UPDATE runs r
+           SET ending = p_ending
+         WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
+           AND r.lease_owner IS NOT NULL AND r.ending IS NULL
+           AND NOT EXISTS (SELECT 1 FROM progress g WHERE g.run_id = r.id AND g.ending IS NOT NULL)
+           AND (p_message_id IS NULL OR EXISTS (SELECT 1 FROM recorded))
+        RETURNING r.id, r.revision, r.lease_owner
+    ), noted AS (
+        UPDATE progress g SET ending = p_ending FROM asked a WHERE g.run_id = a.id AND g.ending IS NULL
+    )
+    SELECT a.id, a.revision, a.lease_owner, EXISTS (SELECT 1 FROM recorded) AS recorded
+      INTO v_result
+      FROM (SELECT 1) AS one
+      LEFT JOIN asked a ON true;
+
+    IF v_result.id IS NOT NULL THEN
+        outcome := 'requested';
+        revision := v_result.revision;
+        lease_owner := v_result.lease_owner;
+        RETURN;
+    END IF;
+    IF p_message_id IS NOT NULL AND NOT v_result.recorded THEN
+        outcome := intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest);
+        RETURN;
+    END IF;
+    SELECT r.* INTO v_run FROM runs r WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant;
+    revision := v_run.revision;
+    lease_owner := v_run.lease_owner;
+    outcome := CASE
+        WHEN v_run.id IS NULL OR v_run.state <> 'running' THEN 'not_running'
+        WHEN v_run.lease_owner IS NULL THEN 'not_leased'
+        ELSE 'ending_before'
+    END;
+    IF outcome <> 'ending_before' AND p_message_id IS NOT NULL THEN
+        -- Refused: nothing of this command stays, not even its inbox record.
+        DELETE FROM inbox i WHERE i.message_id = p_message_id;
+    END IF;
+END;
+$$;
+
+
+--
+-- Name: intermission_save_progress_v1(text, text, text, text, jsonb, jsonb, jsonb, jsonb, jsonb, integer, bigint); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_save_progress_v1(p_run_id text, p_app text, p_tenant text, p_owner text, p_continuation jsonb, p_started jsonb, p_done jsonb, p_ending jsonb, p_approved jsonb, p_step_count integer, p_tokens_used bigint, OUT saved_at timestamp with time zone, OUT ending jsonb) RETURNS record
+    LANGUAGE plpgsql
+    AS $$
 BEGIN
     WITH holder AS (
-        SELECT r.id FROM runs r
+        UPDATE runs r
+           SET step_count = p_step_count, tokens_used = p_tokens_used
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
            AND p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now()
-           FOR SHARE
+        RETURNING r.id, r.ending
     )
     SELECT intermission_write_progress_v1(p_run_id, p_app, p_tenant, p_owner, p_continuation, p_started,
-                                          p_done, p_ending, p_approved)
-      INTO v_updated_at
-      FROM holder;
-    RETURN v_updated_at;
+                                          p_done, p_ending, p_approved), h.ending
+      INTO saved_at, ending
+      FROM holder h;
 END;
 $$;
 
@@ -649,13 +729,13 @@ BEGIN
            SET lease_owner = p_owner, lease_expires_at = now() + make_interval(secs => p_lease_ttl),
                updated_at = now()
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
-           AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
+           AND r.lease_expires_at <= now()
         RETURNING ARRAY[r.id] INTO v_taken;
     ELSE
         WITH lapsed AS (
             SELECT r.id FROM runs r
-             WHERE r.state = 'running' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
-             ORDER BY r.lease_expires_at NULLS FIRST
+             WHERE r.state = 'running' AND r.lease_expires_at <= now()
+             ORDER BY r.lease_expires_at
              LIMIT p_limit
                FOR UPDATE SKIP LOCKED
         ), moved AS (
@@ -701,7 +781,8 @@ BEGIN
     ON CONFLICT (run_id) DO UPDATE
        SET app = excluded.app, tenant = excluded.tenant, owner = excluded.owner,
            continuation = excluded.continuation, started = excluded.started, done = excluded.done,
-           ending = excluded.ending, approved = excluded.approved, updated_at = excluded.updated_at
+           ending = COALESCE(p.ending, excluded.ending), approved = excluded.approved,
+           updated_at = excluded.updated_at
     RETURNING p.updated_at INTO v_updated_at;
     RETURN v_updated_at;
 END;
@@ -1281,5 +1362,5 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (2, 'resume', 'bec87437f3b4f3c9f1ec4e09e1cb39ea02256f61075392d9f207f4ff84660791'),
     (3, 'fleet', 'd37fd2f86ca1323859302ab489053e927175db81e64d637e26ca809a47c4547e'),
     (4, 'relayed_sessions', '099aaac3d98fd43c68db4f4b422a7e098b3119e04fe20285a87b98e1e5d0a999'),
-    (5, 'transitions', '43a903d6e79250dedb035012ca53063040abe308c4ae92f74f05b87d06a9e6fe'),
+    (5, 'transitions', 'de101c2ce4bc4355e5a719bb24e545655a36af82bb38aec8dc05004643bef097'),
     (6, 'outbox_quarantine', '3274f70940b8715bc4336dc2b6ae9d310d6feb25cc35abf201641b4d3eb90b1e');

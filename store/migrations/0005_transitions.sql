@@ -22,8 +22,18 @@
 -- function that writes plans its statements again on every call). Mind that a row value IS NOT NULL only
 -- when every one of its fields is: whether a row was found is asked of its key.
 
+-- An end asked of a RUNNING run (run.cancel while it runs), kept on the run's own row: every writer of a
+-- running run (progress save, pause, end, lease renewal) writes or locks this row, so each one sees the
+-- request under the row lock, whenever it committed (a condition on another table would be judged by the
+-- writer's older snapshot and miss a request that committed while it waited). It is set once, by
+-- intermission_request_ending_v1, and goes with the run's end; a run never pauses with one.
+ALTER TABLE runs ADD COLUMN ending jsonb;
+ALTER TABLE runs ADD CONSTRAINT runs_ending_only_running CHECK (ending IS NULL OR state = 'running');
+
 -- The progress upsert: the one place a snapshot is written. Callers hold the run (its row locked by their
--- claim, or FOR SHARE under a live lease).
+-- claim, or by their save under a live lease). An ending the snapshot row already has is kept, whatever the
+-- writer sends: once a run was asked to end (a claim's ending, a cancel while it ran), no later snapshot of
+-- its holder, who may not know yet, can take the request back.
 CREATE FUNCTION intermission_write_progress_v1(
     p_run_id text, p_app text, p_tenant text, p_owner text,
     p_continuation jsonb, p_started jsonb, p_done jsonb, p_ending jsonb, p_approved jsonb
@@ -38,33 +48,37 @@ BEGIN
     ON CONFLICT (run_id) DO UPDATE
        SET app = excluded.app, tenant = excluded.tenant, owner = excluded.owner,
            continuation = excluded.continuation, started = excluded.started, done = excluded.done,
-           ending = excluded.ending, approved = excluded.approved, updated_at = excluded.updated_at
+           ending = COALESCE(p.ending, excluded.ending), approved = excluded.approved,
+           updated_at = excluded.updated_at
     RETURNING p.updated_at INTO v_updated_at;
     RETURN v_updated_at;
 END;
 $$;
 
--- SaveProgress: the snapshot, only while the run is running under p_owner's live lease. The run row is
--- locked FOR SHARE, so a takeover that commits first is seen (the re-check finds another owner) and one
--- that comes second waits for this write. An empty owner never matches. NULL: the lease is not held.
+-- SaveProgress: the snapshot, only while the run is running under p_owner's live lease, with the run's
+-- step and token counts (p_step_count, p_tokens_used: the run row is right after every boundary, not only
+-- at a pause). Writing the counts takes the run's row lock, so a takeover that commits first is seen (the
+-- re-check finds another owner) and one that comes second waits for this write. An empty owner never
+-- matches. saved_at NULL: the lease is not held, and nothing was written. ending: the end asked of the run
+-- while it ran (runs.ending), which the holder must now finish; the snapshot keeps it.
 CREATE FUNCTION intermission_save_progress_v1(
     p_run_id text, p_app text, p_tenant text, p_owner text,
-    p_continuation jsonb, p_started jsonb, p_done jsonb, p_ending jsonb, p_approved jsonb
-) RETURNS timestamptz LANGUAGE plpgsql AS $$
-DECLARE
-    v_updated_at timestamptz;
+    p_continuation jsonb, p_started jsonb, p_done jsonb, p_ending jsonb, p_approved jsonb,
+    p_step_count integer, p_tokens_used bigint,
+    OUT saved_at timestamptz, OUT ending jsonb
+) LANGUAGE plpgsql AS $$
 BEGIN
     WITH holder AS (
-        SELECT r.id FROM runs r
+        UPDATE runs r
+           SET step_count = p_step_count, tokens_used = p_tokens_used
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
            AND p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now()
-           FOR SHARE
+        RETURNING r.id, r.ending
     )
     SELECT intermission_write_progress_v1(p_run_id, p_app, p_tenant, p_owner, p_continuation, p_started,
-                                          p_done, p_ending, p_approved)
-      INTO v_updated_at
-      FROM holder;
-    RETURN v_updated_at;
+                                          p_done, p_ending, p_approved), h.ending
+      INTO saved_at, ending
+      FROM holder h;
 END;
 $$;
 
@@ -337,7 +351,9 @@ $$;
 -- A running run pauses, as ONE transition, only by the holder of its live lease: the run moves to paused
 -- (revision + 1, lease cleared, step and token counts recorded), any old pause is removed, the new pause
 -- and, for an approval, its pending checkpoint are written, the progress is dropped, the metadata event and
--- the Notice are written. p_ttl NULL takes the run's own pause_ttl_seconds; 0 means no deadline.
+-- the Notice are written. p_ttl NULL takes the run's own pause_ttl_seconds; 0 means no deadline. A run
+-- asked to end while it ran (runs.ending) does not pause: nothing is written and ending says what its
+-- holder must finish instead.
 -- p_notice is the Notice as the caller knows it; the values only this transaction knows (the pause's id,
 -- its deadline, its checkpoint, the run's new revision) are added to it here. The pause's id is drawn
 -- first, so the pause and its checkpoint can name each other in one statement. A NULL revision: the lease
@@ -348,7 +364,7 @@ CREATE FUNCTION intermission_pause_run_v1(
     p_step_count integer, p_tokens_used bigint,
     p_notice jsonb, p_event_message_id uuid, p_event_routing_key text, p_event_correlation_id text,
     p_event_headers jsonb,
-    OUT revision bigint, OUT pause suspensions
+    OUT revision bigint, OUT pause suspensions, OUT ending jsonb
 ) LANGUAGE plpgsql AS $$
 DECLARE
     v_result record;
@@ -359,6 +375,7 @@ BEGIN
                step_count = p_step_count, tokens_used = p_tokens_used, updated_at = now()
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
            AND p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now()
+           AND r.ending IS NULL
         RETURNING r.id, r.app, r.tenant, r.revision, COALESCE(p_ttl, r.pause_ttl_seconds) AS ttl
     ), drawn AS (
         SELECT m.*, nextval('suspension_ids') AS suspension_id FROM moved m
@@ -396,6 +413,11 @@ BEGIN
     SELECT d.revision, c.created_pause INTO v_result FROM drawn d, created c;
     revision := v_result.revision;
     pause := v_result.created_pause;
+    IF revision IS NULL THEN
+        SELECT r.ending INTO ending FROM runs r
+         WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
+           AND p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now();
+    END IF;
 END;
 $$;
 
@@ -407,26 +429,32 @@ $$;
 --
 -- Who may end it: the holder of its live lease (p_owner; an empty owner never matches). With p_owner NULL,
 -- only a closure under host proof, which holds the run's row lock and binds the revision it checked
--- (p_at_revision, required then and ignored otherwise). NULL: the run is not held as that says, and
--- nothing was written.
+-- (p_at_revision, required then and ignored otherwise). revision NULL: the run is not held as that says,
+-- and nothing was written. A holder's end of a run asked to end while it ran (runs.ending, a cancel) must
+-- be that end: any other (completed, failed) writes nothing, and ending says what to end it as instead. A
+-- closure is a host's own decision under proof and is not turned aside.
+--
+-- p_step_count and p_tokens_used are the run's counts at its end (NULL keeps those stored).
 CREATE FUNCTION intermission_end_run_v1(
     p_run_id text, p_app text, p_tenant text, p_owner text, p_at_revision bigint,
     p_state run_state, p_output text, p_error text, p_messages jsonb, p_checkpoint_reason text,
     p_run_event_id uuid, p_run_event_kind text, p_run_event_data jsonb,
     p_event jsonb, p_event_message_id uuid, p_event_routing_key text, p_event_correlation_id text,
-    p_event_headers jsonb
-) RETURNS bigint LANGUAGE plpgsql AS $$
-DECLARE
-    v_revision bigint;
+    p_event_headers jsonb, p_step_count integer, p_tokens_used bigint,
+    OUT revision bigint, OUT ending jsonb
+) LANGUAGE plpgsql AS $$
 BEGIN
     WITH ended AS (
         UPDATE runs r
            SET state = p_state, revision = r.revision + 1, lease_owner = NULL, lease_expires_at = NULL,
-               output = p_output, error = p_error, updated_at = now(), ended_at = now()
+               output = p_output, error = p_error, updated_at = now(), ended_at = now(), ending = NULL,
+               step_count = COALESCE(p_step_count, r.step_count),
+               tokens_used = COALESCE(p_tokens_used, r.tokens_used)
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
            AND CASE WHEN p_owner IS NULL
                     THEN p_at_revision IS NOT NULL AND r.revision = p_at_revision
                     ELSE p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now()
+                         AND (r.ending IS NULL OR p_state = 'cancelled')
                END
         RETURNING r.id, r.app, r.tenant, r.revision, r.session_id
     ), saved AS (
@@ -452,17 +480,90 @@ BEGIN
                p_event_correlation_id, p_event_headers, e.app, e.tenant, e.id
           FROM ended e
     )
-    SELECT e.revision INTO v_revision FROM ended e;
-    RETURN v_revision;
+    SELECT e.revision INTO revision FROM ended e;
+    IF revision IS NULL AND p_owner IS NOT NULL THEN
+        SELECT r.ending INTO ending FROM runs r
+         WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
+           AND p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now();
+    END IF;
 END;
 $$;
 
--- A takeover: a running run whose lease lapsed (or that holds none) passes to p_owner under a new lease,
--- with its progress snapshot: adopted as it stands, or replaced by the first snapshot when
--- p_first_continuation is set. The revision does not change: a lease is not a state. With p_run_id set,
--- that run at that exact scope (ClaimContinuationLeased): a takeover racing the holder's last write waits
--- for it and re-checks. Without, up to p_limit lapsed runs of EVERY scope, skipping rows another worker is
--- taking right now (the reclaim sweep).
+-- A cancel of a RUNNING run (run.cancel while the run runs), as ONE transition: the ending recorded on the
+-- run's row (runs.ending, the fence every writer of the running run meets under the row lock) and in its
+-- snapshot (progress.ending, what a takeover finishes), with the command's inbox record. Nothing ends here:
+-- the lease holder finishes the end at its next boundary (it hears of it from its next progress save or
+-- lease renewal), and a worker that takes the run over after its holder died finishes it the same way.
+-- Outcomes: 'requested'; 'ending_before' (an end was asked or claimed already, and this command is
+-- recorded as applied: the run is ending); 'not_running' (not running at that scope any more, or never:
+-- the caller reads it again); 'not_leased' (running under the original's plain claim, which holds no lease:
+-- nobody here could finish an end, so nothing is asked); the inbox's 'duplicate' or 'message_id_conflict'.
+CREATE FUNCTION intermission_request_ending_v1(
+    p_run_id text, p_app text, p_tenant text, p_ending jsonb,
+    p_message_id text, p_routing_key text, p_digest text,
+    OUT outcome text, OUT revision bigint, OUT lease_owner text
+) LANGUAGE plpgsql AS $$
+DECLARE
+    v_result record;
+    v_run runs;
+BEGIN
+    WITH recorded AS (
+        INSERT INTO inbox (message_id, routing_key, body_digest, outcome, app, tenant, run_id)
+        SELECT p_message_id, p_routing_key, p_digest, 'applied', p_app, p_tenant, p_run_id
+         WHERE p_message_id IS NOT NULL
+        ON CONFLICT (message_id) DO NOTHING
+        RETURNING 1
+    ), asked AS (
+        UPDATE runs r
+           SET ending = p_ending
+         WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
+           AND r.lease_owner IS NOT NULL AND r.ending IS NULL
+           AND NOT EXISTS (SELECT 1 FROM progress g WHERE g.run_id = r.id AND g.ending IS NOT NULL)
+           AND (p_message_id IS NULL OR EXISTS (SELECT 1 FROM recorded))
+        RETURNING r.id, r.revision, r.lease_owner
+    ), noted AS (
+        UPDATE progress g SET ending = p_ending FROM asked a WHERE g.run_id = a.id AND g.ending IS NULL
+    )
+    SELECT a.id, a.revision, a.lease_owner, EXISTS (SELECT 1 FROM recorded) AS recorded
+      INTO v_result
+      FROM (SELECT 1) AS one
+      LEFT JOIN asked a ON true;
+
+    IF v_result.id IS NOT NULL THEN
+        outcome := 'requested';
+        revision := v_result.revision;
+        lease_owner := v_result.lease_owner;
+        RETURN;
+    END IF;
+    IF p_message_id IS NOT NULL AND NOT v_result.recorded THEN
+        outcome := intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest);
+        RETURN;
+    END IF;
+    SELECT r.* INTO v_run FROM runs r WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant;
+    revision := v_run.revision;
+    lease_owner := v_run.lease_owner;
+    outcome := CASE
+        WHEN v_run.id IS NULL OR v_run.state <> 'running' THEN 'not_running'
+        WHEN v_run.lease_owner IS NULL THEN 'not_leased'
+        ELSE 'ending_before'
+    END;
+    IF outcome <> 'ending_before' AND p_message_id IS NOT NULL THEN
+        -- Refused: nothing of this command stays, not even its inbox record.
+        DELETE FROM inbox i WHERE i.message_id = p_message_id;
+    END IF;
+END;
+$$;
+
+-- A takeover: a running run whose lease lapsed passes to p_owner under a new lease, with its progress
+-- snapshot: adopted as it stands, or replaced by the first snapshot when p_first_continuation is set. The
+-- revision does not change: a lease is not a state. With p_run_id set, that run at that exact scope
+-- (ClaimContinuationLeased): a takeover racing the holder's last write waits for it and re-checks.
+-- Without, up to p_limit lapsed runs of EVERY scope, skipping rows another worker is taking right now (the
+-- reclaim sweep).
+--
+-- Only a lease that LAPSED is taken (lease_expires_at <= now(), so never NULL): a run the original's plain
+-- claim moved to running holds no lease at all, and belongs to that claimer, who never promised to renew
+-- anything. Adopting it as "lapsed" would run its continuation a second time beside the claimer's.
 CREATE FUNCTION intermission_take_over_v1(
     p_owner text, p_lease_ttl float8, p_limit integer,
     p_run_id text, p_app text, p_tenant text,
@@ -477,13 +578,13 @@ BEGIN
            SET lease_owner = p_owner, lease_expires_at = now() + make_interval(secs => p_lease_ttl),
                updated_at = now()
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
-           AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
+           AND r.lease_expires_at <= now()
         RETURNING ARRAY[r.id] INTO v_taken;
     ELSE
         WITH lapsed AS (
             SELECT r.id FROM runs r
-             WHERE r.state = 'running' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
-             ORDER BY r.lease_expires_at NULLS FIRST
+             WHERE r.state = 'running' AND r.lease_expires_at <= now()
+             ORDER BY r.lease_expires_at
              LIMIT p_limit
                FOR UPDATE SKIP LOCKED
         ), moved AS (
@@ -518,11 +619,18 @@ $$;
 -- its request digest is p_request_digest, or is 'resume_admission_conflict', and takes nothing, even if
 -- some writer has since put the run back on this very pause. A claim that loses to a rival admission of
 -- the same pause gets that admission back the same way. Other refusals are the claim's outcomes.
+--
+-- p_message_id ... is the delivering command's inbox record (run.reply), written with the claim. A
+-- message_id recorded for a DIFFERENT command is 'message_id_conflict' before anything else, even when the
+-- pause was admitted since: the same id must not stand for two requests. Recorded for this very reply, it
+-- is no refusal: the reply's idempotency record is its admission, and a redelivery must still be able to
+-- reach the start its first delivery did not.
 CREATE FUNCTION intermission_admit_resume_v1(
     p_run_id text, p_app text, p_tenant text, p_suspension_id bigint, p_revision bigint,
     p_lease_owner text, p_lease_ttl float8,
     p_first_continuation jsonb, p_first_done jsonb,
     p_schema_version integer, p_input bytea, p_request_digest text, p_suspension_digest text,
+    p_message_id text, p_routing_key text, p_digest text,
     p_event_message_id uuid, p_event_routing_key text, p_event_body text, p_event_correlation_id text,
     p_event_headers jsonb,
     OUT outcome text, OUT admission resume_admissions,
@@ -531,6 +639,11 @@ CREATE FUNCTION intermission_admit_resume_v1(
 DECLARE
     v_claim record;
 BEGIN
+    IF p_message_id IS NOT NULL AND EXISTS (SELECT 1 FROM inbox i WHERE i.message_id = p_message_id)
+       AND intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest) = 'message_id_conflict' THEN
+        outcome := 'message_id_conflict';
+        RETURN;
+    END IF;
     FOR attempt IN 1..2 LOOP
         SELECT a.* INTO admission FROM resume_admissions a
          WHERE a.run_id = p_run_id AND a.suspension_id = p_suspension_id AND a.app = p_app
@@ -552,7 +665,7 @@ BEGIN
             p_first => p_first_continuation IS NOT NULL, p_first_continuation => p_first_continuation,
             p_first_started => NULL, p_first_done => p_first_done, p_first_ending => NULL,
             p_first_approved => NULL, p_drop_pause => false,
-            p_message_id => NULL, p_routing_key => NULL, p_digest => NULL,
+            p_message_id => p_message_id, p_routing_key => p_routing_key, p_digest => p_digest,
             p_checkpoint_id => NULL, p_checkpoint_state => NULL, p_decided_by => NULL, p_decision_reason => NULL,
             p_event_message_id => p_event_message_id, p_event_routing_key => p_event_routing_key,
             p_event_body => p_event_body, p_event_correlation_id => p_event_correlation_id,
@@ -563,8 +676,13 @@ BEGIN
         suspension_id := v_claim.suspension_id;
         expires_at := v_claim.expires_at;
         EXIT WHEN outcome = 'claimed';
-        -- Lost or refused: perhaps because this pause was admitted meanwhile (by this request's earlier
-        -- attempt, or by a rival that won the row lock; its admission is committed by now). Look again.
+        IF outcome = 'message_id_conflict' THEN
+            -- A rival with this message_id but another body committed first.
+            RETURN;
+        END IF;
+        -- Lost or refused ('duplicate' included: this very reply, delivered twice at once, committed first):
+        -- perhaps because this pause was admitted meanwhile (by this request's earlier attempt, or by a rival
+        -- that won the row lock; its admission is committed by now). Look again.
     END LOOP;
 
     INSERT INTO resume_admissions (run_id, suspension_id, app, tenant, schema_version, pinned_revision, input,

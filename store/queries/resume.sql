@@ -1,14 +1,16 @@
 -- admit_resume --
--- An agent reply's admission (intermission_admit_resume_v1). One row: the outcome, the admission as
--- recorded now or before (a composite), and for a refusal the run's revision and its pause as they stand.
--- writes: outbox
+-- An agent reply's admission (intermission_admit_resume_v1), with the delivering command's inbox record
+-- when message_id is set. One row: the outcome, the admission as recorded now or before (a composite), and
+-- for a refusal the run's revision and its pause as they stand.
+-- writes: outbox, inbox
 SELECT a.outcome, a.admission, a.revision AS r_revision, a.suspension_id AS s_id, a.expires_at AS s_expires_at
   FROM intermission_admit_resume_v1(
     p_run_id => $1, p_app => $2, p_tenant => $3, p_suspension_id => $4, p_revision => $5,
     p_lease_owner => $6, p_lease_ttl => $7, p_first_continuation => $8, p_first_done => $9,
     p_schema_version => $10, p_input => $11, p_request_digest => $12, p_suspension_digest => $13,
-    p_event_message_id => $14, p_event_routing_key => $15, p_event_body => $16,
-    p_event_correlation_id => $17, p_event_headers => $18) AS a;
+    p_message_id => $14, p_routing_key => $15, p_digest => $16,
+    p_event_message_id => $17, p_event_routing_key => $18, p_event_body => $19,
+    p_event_correlation_id => $20, p_event_headers => $21) AS a;
 
 -- start_resume --
 -- The single grant of execution (intermission_start_resume_v1). One row: the outcome, the start, the

@@ -42,9 +42,10 @@ SELECT t.taken_run AS run, t.taken_progress AS progress
 
 -- pause_run --
 -- A running run pauses (intermission_pause_run_v1). One row: the new revision and the pause as written (a
--- composite), both NULL when owner does not hold the run.
+-- composite), both NULL when owner does not hold the run or the run was asked to end (then ending says
+-- how).
 -- writes: outbox
-SELECT p.revision, p.pause
+SELECT p.revision, p.pause, p.ending
   FROM intermission_pause_run_v1(
     p_run_id => $1, p_app => $2, p_tenant => $3, p_owner => $4, p_reason => $5, p_pending => $6,
     p_continuation => $7, p_approvers => $8, p_ttl => $9, p_step_count => $10, p_tokens_used => $11,
@@ -52,14 +53,16 @@ SELECT p.revision, p.pause
     p_event_headers => $16) AS p;
 
 -- end_run --
--- A running run ends (intermission_end_run_v1). The new revision, or NULL when the run is not held as
--- the arguments say.
+-- A running run ends (intermission_end_run_v1). One row: the new revision, or NULL when the run is not held
+-- as the arguments say or was asked to end otherwise (then ending says how).
 -- writes: outbox
-SELECT intermission_end_run_v1(
+SELECT e.revision, e.ending
+  FROM intermission_end_run_v1(
     p_run_id => $1, p_app => $2, p_tenant => $3, p_owner => $4, p_at_revision => $5, p_state => $6,
     p_output => $7, p_error => $8, p_messages => $9, p_checkpoint_reason => $10, p_run_event_id => $11,
     p_run_event_kind => $12, p_run_event_data => $13, p_event => $14, p_event_message_id => $15,
-    p_event_routing_key => $16, p_event_correlation_id => $17, p_event_headers => $18);
+    p_event_routing_key => $16, p_event_correlation_id => $17, p_event_headers => $18,
+    p_step_count => $19, p_tokens_used => $20) AS e;
 
 -- list_run_events --
 -- A run's metadata events in order, at the exact scope. $1 run_id, $2 app, $3 tenant

@@ -6,16 +6,19 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import asyncpg
 import pytest
 
 from intermission.agent.executor import RunContext
 from intermission.fleet.lease import LeaseKeeper
+from intermission.fleet.supervisor import Supervisor
 from intermission.schemas.errors import RunLeaseLost
 from intermission.schemas.events import RunEventKind
 from intermission.schemas.run import Lease, RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import PendingCall, Progress, SuspendReason
 from intermission.store import Stores
+from intermission.store.leases import LeaseLine
 from intermission.store.runs import Pause
 from tests.support.factories import continuation, running_run
 from tests.support.fleet import charges, fast_settings, start_command, worker
@@ -99,21 +102,32 @@ async def test_a_worker_whose_lease_was_taken_over_writes_nothing_more(stores: S
     assert (progress.owner, progress.continuation.step_index) == ("worker-new", 3)
 
 
+def keeper_for(stores: Stores, owner: str, *, ttl: float = 2.0, every: float = 0.05) -> LeaseKeeper:
+    return LeaseKeeper(
+        LeaseLine(stores.db, timeout=1.0), owner, ttl_seconds=ttl, renew_every=every, supervisor=Supervisor()
+    )
+
+
+async def expiries(stores: Stores, run_ids: list[str]) -> dict[str, Any]:
+    async with stores.db.connection() as con:
+        found = await con.raw.fetch("SELECT id, lease_expires_at FROM runs WHERE id = ANY($1)", run_ids)
+    return {r["id"]: r["lease_expires_at"] for r in found}
+
+
+def never(_: object) -> None:
+    raise AssertionError("no end was asked of this run")
+
+
 async def test_the_keeper_renews_and_reports_a_lost_lease(stores: Stores, scope: Scope) -> None:
     held = Lease(owner="keeper-test", ttl_seconds=2)
     run, _ = await running_run(stores, scope, holder=held)
     lost = asyncio.Event()
-    keeper = LeaseKeeper(stores.at(scope).runs, run.id, held, renew_every=0.05, on_lost=lost.set)
-    keeping = asyncio.create_task(keeper.keep())
-
-    async def expiry() -> Any:
-        async with stores.db.connection() as con:
-            return await con.raw.fetchval("SELECT lease_expires_at FROM runs WHERE id = $1", run.id)
-
-    first = await expiry()
+    keeper = keeper_for(stores, held.owner)
+    keeper.hold(run.id, scope, on_lost=lost.set, on_ending=never)
+    first = (await expiries(stores, [run.id]))[run.id]
 
     async def renewed() -> bool:  # a renewal moves the expiry forward
-        return bool(await expiry() != first)
+        return bool((await expiries(stores, [run.id]))[run.id] != first)
 
     await eventually(renewed, what="a lease renewal")
     assert not lost.is_set()
@@ -122,8 +136,131 @@ async def test_the_keeper_renews_and_reports_a_lost_lease(stores: Stores, scope:
     await stores.at(scope).runs.claim_continuation_leased(run.id, Lease(owner="thief", ttl_seconds=30))
     async with asyncio.timeout(10):
         await lost.wait()
-    await keeping
+    assert keeper.held == 0
+    await keeper.stop()
     assert (await stores.at(scope).runs.get_run(run.id)).lease_owner == "thief"
+
+
+async def test_one_statement_renews_every_lease_of_the_worker_across_scopes(
+    stores: Stores, scope: Scope, other_scope: Scope
+) -> None:
+    held = Lease(owner="keeper-many", ttl_seconds=30)
+    runs = [(await running_run(stores, s, holder=held))[0] for s in [scope, other_scope] * 10]
+    someone_elses, _ = await running_run(stores, scope, holder=Lease(owner="another-worker", ttl_seconds=30))
+    keeper = keeper_for(stores, held.owner, ttl=30)
+    for r in runs:
+        keeper.hold(r.id, r.scope, on_lost=lambda: None, on_ending=never)
+    ids = [r.id for r in runs]
+    before = await expiries(stores, [*ids, someone_elses.id])
+    await keeper.renew_once()
+    after = await expiries(stores, [*ids, someone_elses.id])
+    assert all(after[i] > before[i] for i in ids)
+    # One statement: every expiry is the same now() + ttl, which only one transaction's clock gives.
+    assert len({after[i] for i in ids}) == 1
+    assert after[someone_elses.id] == before[someone_elses.id]
+    await keeper.stop()
+
+
+async def test_leases_are_renewed_while_every_pool_connection_is_taken(
+    stores: Stores, scope: Scope, database_url: str
+) -> None:
+    settings = fast_settings(database_url, lease_seconds=3, lease_renew_seconds=0.1)
+    w = worker(stores, settings)
+    cmd = start_command(scope, [{"call": [{"tool": "sleep", "arguments": {"seconds": 30}}]}, {"say": "late"}])
+    await w.control.start(cmd)
+    await eventually(lambda: in_first_step(stores, scope, cmd.run_id), what="the sleep step began")
+    inspect = await asyncpg.connect(database_url)
+    # Every connection of the pool the fleet's commands and runs share is held by this test.
+    size = stores.db.pool.get_max_size()
+    borrowed = [await stores.db.pool.acquire() for _ in range(size)]
+    try:
+        with pytest.raises(TimeoutError):
+            await stores.db.pool.acquire(timeout=0.05)  # it is exhausted: nothing else gets one
+        first = await inspect.fetchval("SELECT lease_expires_at FROM runs WHERE id = $1", cmd.run_id)
+        seen = first
+        async with asyncio.timeout(10):
+            for _ in range(3):  # three renewals in a row, each moving the expiry forward
+                while seen == first or seen is None:
+                    await asyncio.sleep(0.02)
+                    seen = await inspect.fetchval("SELECT lease_expires_at FROM runs WHERE id = $1", cmd.run_id)
+                first = seen
+        # Longer than the lease, and the run is still held by its worker: nobody could have taken it.
+        row = await inspect.fetchrow(
+            "SELECT lease_owner, lease_expires_at > now() AS live FROM runs WHERE id = $1", cmd.run_id
+        )
+        assert row is not None
+        assert (row["lease_owner"], row["live"]) == (w.fleet.owner, True)
+    finally:
+        for con in borrowed:
+            await stores.db.pool.release(con)
+        await inspect.close()
+        await w.fleet.stop(grace=0.1)
+
+
+async def test_the_keeper_reconnects_after_its_connection_is_killed(stores: Stores, scope: Scope) -> None:
+    held = Lease(owner="keeper-reconnects", ttl_seconds=5)
+    run, _ = await running_run(stores, scope, holder=held)
+    lost = asyncio.Event()
+    keeper = LeaseKeeper(
+        LeaseLine(stores.db, timeout=1.0, application_name="test-lease-line"),
+        held.owner,
+        ttl_seconds=5,
+        renew_every=0.05,
+        supervisor=Supervisor(),
+    )
+    keeper.hold(run.id, scope, on_lost=lost.set, on_ending=never)
+    async with stores.db.connection() as con:
+
+        async def line_pid() -> int | None:
+            pid: int | None = await con.raw.fetchval(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'test-lease-line'"
+            )
+            return pid
+
+        await eventually(lambda: _present(line_pid), what="the lease line connected")
+        old_pid = await line_pid()
+        await con.raw.execute("SELECT pg_terminate_backend($1)", old_pid)
+        mark = (await expiries(stores, [run.id]))[run.id]
+
+        async def renewed_on_a_new_connection() -> bool:
+            pid = await line_pid()
+            return pid is not None and pid != old_pid and (await expiries(stores, [run.id]))[run.id] > mark
+
+        await eventually(renewed_on_a_new_connection, what="a renewal over a new connection")
+    assert not lost.is_set()
+    await keeper.stop()
+
+
+async def _present(probe: Any) -> bool:
+    return await probe() is not None
+
+
+async def test_a_renewal_that_keeps_failing_gives_the_run_up_once_its_lease_may_have_lapsed(
+    stores: Stores, scope: Scope, database_url: str
+) -> None:
+    held = Lease(owner="keeper-blocked", ttl_seconds=1.0)
+    run, _ = await running_run(stores, scope, holder=held)
+    lost = asyncio.Event()
+    keeper = LeaseKeeper(
+        LeaseLine(stores.db, timeout=0.1), held.owner, ttl_seconds=1.0, renew_every=0.1, supervisor=Supervisor()
+    )
+    blocker = await asyncpg.connect(database_url)
+    try:
+        # Every renewal waits on this row lock until its statement times out: a database that does not
+        # answer, by the keeper's account.
+        transaction = blocker.transaction()
+        await transaction.start()
+        await blocker.execute("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE", run.id)
+        started = asyncio.get_running_loop().time()
+        keeper.hold(run.id, scope, on_lost=lost.set, on_ending=never)
+        async with asyncio.timeout(10):
+            await lost.wait()
+        # Not at the first failure: only once the ttl had passed by this process's clock.
+        assert asyncio.get_running_loop().time() - started >= held.ttl_seconds
+        await transaction.rollback()
+    finally:
+        await blocker.close()
+        await keeper.stop()
 
 
 async def test_a_lost_lease_cancels_the_run_in_the_fleet(stores: Stores, scope: Scope, database_url: str) -> None:

@@ -39,6 +39,9 @@ text = st.text(st.characters(exclude_characters="\x00", exclude_categories=["Cs"
 small = st.integers(min_value=0, max_value=2**31 - 1)
 anyint = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 floats = st.floats(allow_nan=False, allow_infinity=False)
+nonnegative = st.integers(min_value=0, max_value=2**63 - 1)
+# The temperatures a config accepts (schemas/config.py, MAX_TEMPERATURE).
+temperatures = st.floats(min_value=0.0, max_value=2.0)
 
 tool_calls = st.builds(ToolCall, id=text, name=text, arguments=text)
 messages = st.builds(
@@ -55,13 +58,17 @@ tool_results = st.builds(
 configs = st.builds(
     RunConfig,
     context=st.none() | st.builds(ContextPolicy, max_messages=small, strategy=text),
-    publication=st.builds(PublicationPolicy, redact_arguments=st.booleans(), blocked_terms=st.lists(text, max_size=3)),
+    publication=st.builds(
+        PublicationPolicy,
+        redact_arguments=st.booleans(),
+        blocked_terms=st.lists(text.filter(bool), max_size=3),  # an empty term is refused
+    ),
     budget=st.builds(Budget, max_total_tokens=small, max_tool_calls=small),
     all_tools_restricted=st.booleans(),
     model=text,
-    temperature=st.none() | floats,
-    max_steps=anyint,
-    max_tokens=anyint,
+    temperature=st.none() | temperatures,
+    max_steps=nonnegative,
+    max_tokens=nonnegative,
     reasoning_loop=text,
     tools=st.lists(text, max_size=4),
     persona_ref=text,
@@ -76,7 +83,7 @@ continuations = st.builds(
     usage=st.builds(Usage, input_tokens=anyint, output_tokens=anyint, total_tokens=anyint, tool_calls=anyint),
     messages=st.lists(messages, max_size=4),
     system_prompt=text,
-    step_index=anyint,
+    step_index=small,  # the run row's step count (an integer column) bounds it
     tokens_used=anyint,
     new_messages_from=anyint,
     session_id=text,

@@ -24,7 +24,9 @@ class LocalControl:
 
     def defaults(self) -> RunDefaults:
         return RunDefaults(
-            pause_ttl_seconds=self.fleet.settings.pause_ttl_seconds, max_steps=self.fleet.settings.max_steps
+            pause_ttl_seconds=self.fleet.settings.pause_ttl_seconds,
+            max_steps=self.fleet.settings.max_steps,
+            max_tool_calls=self.fleet.settings.max_tool_calls,
         )
 
     def _hand_over(self, claimed: Claimed | None) -> Claimed | None:

@@ -44,7 +44,7 @@ MATRIX: dict[tuple[Source, SuspendReason], type[IntermissionError] | None] = {
     (Source.BUS, SuspendReason.AGENT_REPLY): None,
     (Source.DECISION, SuspendReason.EXTERNAL_TOOL): InvalidState,
     (Source.DECISION, SuspendReason.APPROVAL): None,
-    (Source.DECISION, SuspendReason.AGENT_REPLY): InvalidState,
+    (Source.DECISION, SuspendReason.AGENT_REPLY): NotAgentReplyResumable,
 }
 
 

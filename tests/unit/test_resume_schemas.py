@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from intermission.schemas.digest import digest
 from intermission.schemas.errors import InputTooLarge, InvalidArgument, InvalidScope, UnsupportedSchemaVersion
 from intermission.schemas.resume import (
+    LEGACY_SCHEMA_VERSION,
     RESUME_SCHEMA_VERSION,
     ResumeAdmission,
     ResumeAdmissionRequest,
@@ -27,6 +28,7 @@ from intermission.schemas.resume import (
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, SuspendReason, Suspension
 from intermission.store.resume import MAX_CURSOR_CHARS, decode_cursor, encode_cursor
+from intermission.store.rows import load_model
 
 SCOPE = Scope(app="acme", tenant="t1")
 VERSION = ClaimVersion(run_id="run-1", suspension_id=7, run_revision=3)
@@ -316,3 +318,14 @@ def test_cursor_with_a_forged_position_is_refused() -> None:
         forged = base64.urlsafe_b64encode(raw).decode().rstrip("=")
         with pytest.raises(InvalidArgument):
             decode_cursor(SCOPE, forged)
+
+
+def test_a_stored_closure_request_without_a_schema_version_is_legacy_zero_and_closes_nothing() -> None:
+    stored = json.loads(_closure_request().model_dump_json())
+    del stored["schema_version"]
+    legacy = load_model(ResumeClosureRequest, json.dumps(stored), "closure request")
+    assert legacy.schema_version == LEGACY_SCHEMA_VERSION  # read as what it is, not as current
+    with pytest.raises(UnsupportedSchemaVersion):
+        legacy.freeze()
+    # A request this code builds is current, with or without the field spelled out.
+    assert ResumeClosureRequest.model_validate_json(json.dumps(stored)).schema_version == RESUME_SCHEMA_VERSION
