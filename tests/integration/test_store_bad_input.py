@@ -7,6 +7,7 @@ else runs against the live database and compares every row of every table before
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -29,6 +30,7 @@ from intermission.schemas.run import Lease, NewRun
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, LeasedClaim, PendingCall, Progress, SuspendReason, Suspension
 from intermission.store import Stores
+from intermission.store.across_scopes import Unreadable
 from intermission.store.runs import Pause
 from tests.support.factories import continuation, lease, paused_run, running_run
 from tests.support.inspect import (
@@ -334,7 +336,7 @@ BAD_PROGRESS_COLUMNS = [
 
 
 @pytest.mark.parametrize(("column", "bad"), BAD_PROGRESS_COLUMNS)
-async def test_a_malformed_progress_row_is_invalid_continuation_and_a_reclaim_writes_nothing(
+async def test_a_malformed_progress_row_is_invalid_continuation_and_a_reclaim_hands_it_over_unread(
     stores: Stores, db: Inspector, scope: Scope, column: str, bad: str
 ) -> None:
     run, held = await running_run(stores, scope)
@@ -347,10 +349,18 @@ async def test_a_malformed_progress_row_is_invalid_continuation_and_a_reclaim_wr
 
     with pytest.raises(InvalidContinuation):
         await stores.at(scope).progress.get_progress(run.id)
-    with pytest.raises(InvalidContinuation):
-        await stores.across_scopes.reclaim_lapsed(lease(), 10)
-
     assert await db.snapshot() == before
+
+    # The takeover commits (so the caller, holding the run, can end it) and says the row did not decode;
+    # the row itself is left as it was found.
+    heir = lease()
+    (taken,) = await stores.across_scopes.reclaim_lapsed(heir, 10)
+    assert isinstance(taken, Unreadable)
+    assert (taken.run_id, taken.scope) == (run.id, scope)
+    assert taken.detail.startswith("stored progress")
+    assert (await db.run(run.id))["lease_owner"] == heir.owner
+    stored = await db.con.fetchval(f"SELECT {quoted}::text FROM progress WHERE run_id = $1", run.id)
+    assert json.loads(stored) == json.loads(bad)
 
 
 async def test_a_malformed_run_config_is_invalid_continuation(stores: Stores, db: Inspector, scope: Scope) -> None:
