@@ -10,7 +10,8 @@ Outcomes other than success:
 - the command's effect committed before (a redelivery, a re-send): acknowledge, no second effect, no
   rejection;
 - a permanent error: publish ``command.rejected`` and a dead-lettered copy with the code in
-  ``x-intermission-error`` (both confirmed), then acknowledge;
+  ``x-intermission-error`` (both confirmed), then acknowledge; a broker that will not take them (restarting,
+  nacking) is retried like an outage, and a refusal it never takes returns the command to its queue;
 - a transient error (the database away: a restart, a failover, a lost connection; a serialisation failure
   or deadlock): the delivery is HELD and the transaction retried with capped backoff for up to
   ``retry_seconds`` (three minutes by default: longer than a managed database's failover). Meanwhile this
@@ -35,12 +36,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_delay, wait_random_exponential
+from aiormq.exceptions import ChannelInvalidStateError
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_delay,
+    stop_any,
+    wait_random_exponential,
+)
+from tenacity.stop import stop_base
 
 from intermission.consumers.handlers import CommandHandlers, StaleExpiry
 from intermission.consumers.parsing import MAX_REPLY_BODY_BYTES, Delivery, check_body_limits, check_envelope
 from intermission.consumers.rejection import Rejecter
 from intermission.fleet import points
+from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, backoff
 from intermission.schemas.errors import PermanentError, StoreContention, TransientError
 from intermission.store.commands import Claimed
 from intermission.store.inbox import AlreadyApplied
@@ -99,6 +110,19 @@ class Availability:
     async def wait_back(self, within: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._up.wait(), within)
+
+
+class ChannelGone(stop_base):
+    """Stop retrying once the delivery's channel has closed: the broker returned it to its queue."""
+
+    def __init__(self, message: AbstractIncomingMessage) -> None:
+        self.message = message
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        try:
+            return self.message.channel.is_closed
+        except ChannelInvalidStateError:
+            return True
 
 
 class AckPolicy:
@@ -171,6 +195,25 @@ class AckPolicy:
                 },
             )
 
+    async def _refuse(self, message: AbstractIncomingMessage, delivery: Delivery, error: PermanentError) -> None:
+        """Publish the refusal. The broker not taking it (restarting; ``intermission.dead`` without a quorum
+        for a moment, which nacks) is retried with backoff, as an outage is: the refused command must end
+        up with its code in the dead-letter queue, not be dead-lettered by the broker without one. The
+        retries end early once the delivery's channel is gone (the broker has returned it to its queue)."""
+
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(TRANSIENT_AMQP_ERRORS),
+            wait=wait_random_exponential(multiplier=0.1, max=self.max_backoff_seconds),
+            stop=stop_any(stop_after_delay(self.retry_seconds), ChannelGone(message)),
+            before_sleep=lambda state: log.warning(
+                "the broker did not take a refusal; retrying",
+                extra={"action": "refusal_retry", "message_id": delivery.message_id, **backoff(state)},
+            ),
+            reraise=True,
+        ):
+            with attempt:
+                await self.rejecter.reject(delivery, error)
+
     async def process(self, message: AbstractIncomingMessage, command: Command) -> None:
         """Settle ``message``, whatever it holds (see the module docstring)."""
         try:
@@ -210,7 +253,18 @@ class AckPolicy:
                 extra={"action": "command_rejected", "code": exc.code, "detail": exc.detail, **extra},
             )
             points.reach(points.REFUSING)
-            await self.rejecter.reject(delivery, exc)
+            try:
+                await self._refuse(message, delivery, exc)
+            except TRANSIENT_AMQP_ERRORS as away:
+                # The broker would not take the refusal for the whole window: return the command to its
+                # queue to be refused later (if its channel is gone, the broker has already).
+                log.warning(
+                    "could not publish a refusal; requeued",
+                    extra={"action": "refusal_requeued", "error": type(away).__name__, **extra},
+                )
+                await message.nack(requeue=True)
+                self.observe(command, "requeued", "refusal_unpublished")
+                return
             await message.ack()
             self.observe(command, "rejected", exc.code)
             return

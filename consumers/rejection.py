@@ -10,7 +10,6 @@ copied in a form the wire can carry again.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import Any
 
@@ -46,9 +45,11 @@ def _run_id(body: dict[str, Any] | None) -> str | None:
 
 
 class Rejecter:
-    def __init__(self, events: AbstractExchange, dead: AbstractExchange) -> None:
+    def __init__(self, events: AbstractExchange, dead: AbstractExchange, *, timeout: float = 10.0) -> None:
         self.events = events
         self.dead = dead
+        # A confirm that never comes must not hold the delivery for ever: it is retried as an outage is.
+        self.timeout = timeout
 
     async def reject(self, delivery: Delivery, error: IntermissionError) -> CommandRejected:
         body = readable_body(delivery.body)
@@ -70,8 +71,8 @@ class Rejecter:
             code=error.code,
             detail=error.detail,
         )
-        await asyncio.gather(
-            self.events.publish(rejection_message(rejection), routing_key=rejected_key(scope)),
-            self.dead.publish(copy, routing_key=delivery.routing_key),
-        )
+        # The copy first: the sender hears of a refusal only once the refused command is kept, and a copy the
+        # broker would not take (retried by the caller) announces nothing yet.
+        await self.dead.publish(copy, routing_key=delivery.routing_key, timeout=self.timeout)
+        await self.events.publish(rejection_message(rejection), routing_key=rejected_key(scope), timeout=self.timeout)
         return rejection

@@ -116,7 +116,7 @@ async def running_worker(
                     bus_user=settings.bus_user,
                 ),
             ),
-            Rejecter(topology.events, topology.dead),
+            Rejecter(topology.events, topology.dead, timeout=settings.publish_timeout_seconds),
             hand_over,
             retry_seconds=settings.command_retry_seconds,
             limits=CommandLimits(max_command_bytes=settings.max_command_bytes),

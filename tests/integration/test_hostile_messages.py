@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from intermission.schemas.scope import Scope
 from intermission.wire import (
     COMMANDS_EXCHANGE,
     DEAD_EXCHANGE,
+    DEAD_QUEUE,
     ERROR_HEADER,
     EVENTS_EXCHANGE,
     MAX_SHORT_STRING_BYTES,
@@ -39,6 +41,7 @@ from intermission.wire import (
 from tests.integration.test_messaging import LOOKUP, next_event, notice_for, run_event, start
 from tests.support.amqp import AmqpUser, Broker, CaptureFactory, ConnectionFactory, Vhost
 from tests.support.hostile import RawText, nested, padded_id
+from tests.support.waiting import eventually
 
 COPIES = 40
 WAIT = 60.0
@@ -218,3 +221,76 @@ async def test_hostile_messages_are_all_settled_and_the_queue_keeps_serving(
 
     held = await unacknowledged(rabbit, amqp_vhost)
     assert {c.queue: held.get(c.queue) for c in Command} == {c.queue: 0 for c in Command}
+
+
+async def test_a_refusal_the_broker_will_not_take_is_retried_until_it_does(
+    worker: Worker,
+    scope: Scope,
+    rabbit: Broker,
+    amqp_vhost: Vhost,
+    amqp_connect: ConnectionFactory,
+    capture: CaptureFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``intermission.dead`` at a length limit with reject-publish nacks every dead copy (as a quorum queue
+    without a quorum does): the refusal is retried, not given up to the broker's dead-lettering without its
+    code; once the queue takes messages again the command is refused with its code, once, and settled."""
+    caplog.set_level(logging.INFO)
+    refused = await capture(amqp_vhost.url(), EVENTS_EXCHANGE, "command.rejected.#")
+    await rabbit.run(
+        "set_policy",
+        "-p",
+        amqp_vhost.name,
+        "dead-full",
+        "^intermission\\.dead$",
+        '{"max-length": 1, "overflow": "reject-publish"}',
+        "--apply-to",
+        "queues",
+    )
+
+    async def policy_applied() -> bool:
+        out = await rabbit.run("list_queues", "-p", amqp_vhost.name, "name", "policy", "--no-table-headers")
+        return any(line.split() == [DEAD_QUEUE, "dead-full"] for line in out.splitlines())
+
+    await eventually(policy_applied, within=WAIT, what="the length limit applied to intermission.dead")
+    admin = await amqp_connect(amqp_vhost.url(), "filler")
+    admin_channel = await admin.channel(publisher_confirms=True)
+    dead_exchange = await admin_channel.get_exchange(DEAD_EXCHANGE)
+    # A quorum queue refuses a publish only once it is past its limit: two messages fill one of length 1.
+    for _ in range(2):
+        await dead_exchange.publish(aio_pika.Message(b"what filled it", message_id="filler"), routing_key="")
+    connection = await amqp_connect(amqp_vhost.url(AmqpUser(rabbit.host.name, rabbit.host.password)), "bad")
+    channel = await connection.channel(publisher_confirms=True)
+    exchange = await channel.get_exchange(COMMANDS_EXCHANGE)
+    bad_id = f"bad-{uuid.uuid4()}"
+    await exchange.publish(
+        aio_pika.Message(b"{not json", message_id=bad_id, headers={SCHEMA_VERSION_HEADER: 1}),
+        routing_key=Command.RESUME.value,
+    )
+
+    async def retried() -> bool:
+        return any(getattr(r, "action", None) == "refusal_retry" for r in caplog.records)
+
+    await eventually(retried, within=WAIT, what="the refusal retried")
+    # Make room (a quorum queue keeps refusing past its limit even once the policy is cleared, so the
+    # fillers are taken out instead).
+    dead = await admin_channel.declare_queue(DEAD_QUEUE, passive=True)
+    for _ in range(2):
+        filler = await dead.get(timeout=WAIT)
+        assert filler is not None
+        assert filler.message_id == "filler"
+        await filler.ack()
+
+    events = await refused.wait_for(
+        lambda got: any(m.json()["message_id"] == bad_id for m in got), within=WAIT, what="the refusal"
+    )
+    assert [m.json()["code"] for m in events] == ["invalid_message"]
+    letter = await dead.get(timeout=WAIT)
+    assert letter is not None
+    assert (letter.message_id, letter.headers[ERROR_HEADER]) == (bad_id, "invalid_message")
+    assert "x-death" not in letter.headers  # the worker's refusal, not the broker's dead-lettering
+
+    async def settled() -> bool:
+        return (await unacknowledged(rabbit, amqp_vhost)).get(Command.RESUME.queue) == 0
+
+    await eventually(settled, within=WAIT, what="the command settled")
