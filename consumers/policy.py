@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -85,31 +85,43 @@ class CommandLimits:
 
 
 class Availability:
-    """Whether the database answers, as this worker's commands last saw it.
+    """Whether this worker's commands may start, or should wait for the database to answer again.
 
-    A command whose transaction failed transiently marks it away; the next command that commits marks it
-    back. While it is away, commands not yet started wait (up to the retry window) before their first
-    attempt, so an outage costs one failing transaction per held delivery and backoff, not one per
-    delivery the broker keeps handing over.
+    A command whose transaction failed because the database is away becomes a PROBE: it holds its delivery
+    and retries (``AckPolicy._apply``). While any probe is out, commands not yet started wait (up to the
+    retry window) before their first attempt: an outage then costs one failing transaction per probe and
+    backoff, not one per delivery the broker keeps handing over. The wait ends as soon as the database
+    answers a probe (with a commit or with a refusal: either way it is back), or when the last probe
+    gives up; a flag that only a commit cleared could keep commands waiting long after the outage.
     """
 
     def __init__(self) -> None:
-        self._up = asyncio.Event()
-        self._up.set()
+        self._probes = 0
+        self._clear = asyncio.Event()
+        self._clear.set()
 
     @property
-    def is_up(self) -> bool:
-        return self._up.is_set()
+    def is_clear(self) -> bool:
+        return self._clear.is_set()
 
-    def away(self) -> None:
-        self._up.clear()
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[None]:
+        self._probes += 1
+        self._clear.clear()
+        try:
+            yield
+        finally:
+            self._probes -= 1
+            if self._probes == 0:
+                self._clear.set()
 
-    def back(self) -> None:
-        self._up.set()
+    def answered(self) -> None:
+        """The database answered a probe: every waiting command may go."""
+        self._clear.set()
 
-    async def wait_back(self, within: float) -> None:
+    async def wait_clear(self, within: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._up.wait(), within)
+            await asyncio.wait_for(self._clear.wait(), within)
 
 
 class ChannelGone(stop_base):
@@ -154,31 +166,36 @@ class AckPolicy:
         """The command's transaction, retried with backoff on transient errors until ``retry_seconds`` have
         passed. The first attempt runs without the retry machinery: it almost always succeeds, and building
         tenacity's state for every message costs more than the attempt's own Python work."""
-        if not self.availability.is_up:
-            await self.availability.wait_back(self.retry_seconds)
+        if not self.availability.is_clear:
+            await self.availability.wait_clear(self.retry_seconds)
         try:
-            claimed = await self.handlers.apply(command, delivery, message_id)
+            return await self.handlers.apply(command, delivery, message_id)
         except TransientError as exc:
-            if not isinstance(exc, StoreContention):
-                self.availability.away()
             if self.retry_seconds <= 0:
                 raise
-        else:
-            self.availability.back()
+            # Losing to another transaction says nothing of the database being away.
+            away = not isinstance(exc, StoreContention)
+        with self.availability.probing() if away else contextlib.nullcontext():
+            await asyncio.sleep(random.uniform(0, 0.05))  # noqa: S311 - jitter, not cryptography
+            claimed: Claimed | None = None
+            try:
+                async for attempt in AsyncRetrying(
+                    retry=retry_if_exception_type(TransientError),
+                    # Full jitter, doubling from 0.1 s, capped: a database that is back is noticed within the cap.
+                    wait=wait_random_exponential(multiplier=0.1, max=self.max_backoff_seconds),
+                    stop=stop_after_delay(self.retry_seconds),
+                    before_sleep=lambda state: self._waiting(state, delivery),
+                    reraise=True,
+                ):
+                    with attempt:
+                        claimed = await self.handlers.apply(command, delivery, message_id)
+            except TransientError:
+                raise
+            except BaseException:
+                self.availability.answered()  # a refusal is an answer: the database is back
+                raise
+            self.availability.answered()
             return claimed
-        await asyncio.sleep(random.uniform(0, 0.05))  # noqa: S311 - jitter, not cryptography
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(TransientError),
-            # Full jitter, doubling from 0.1 s, capped: a database that comes back is noticed within the cap.
-            wait=wait_random_exponential(multiplier=0.1, max=self.max_backoff_seconds),
-            stop=stop_after_delay(self.retry_seconds),
-            before_sleep=lambda state: self._waiting(state, delivery),
-            reraise=True,
-        ):
-            with attempt:
-                claimed = await self.handlers.apply(command, delivery, message_id)
-        self.availability.back()
-        return claimed
 
     @staticmethod
     def _waiting(state: RetryCallState, delivery: Delivery) -> None:

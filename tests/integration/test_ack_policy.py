@@ -20,7 +20,7 @@ from intermission.consumers.parsing import Delivery
 from intermission.consumers.policy import AckPolicy
 from intermission.consumers.rejection import Rejecter
 from intermission.consumers.service import CommandConsumers
-from intermission.schemas.errors import StoreUnavailable
+from intermission.schemas.errors import NotSuspended, StoreUnavailable
 from intermission.schemas.run import Lease
 from intermission.store import Stores
 from intermission.store.commands import Claimed, RunDefaults
@@ -33,7 +33,9 @@ class FlakyHandlers(CommandHandlers):
     """Fails with a transient error the first ``failures`` times it is asked (or, with ``until``, until that
     event is set), then applies nothing. Records the message ids it was asked to apply, in order."""
 
-    def __init__(self, stores: Stores, failures: int, until: asyncio.Event | None = None) -> None:
+    def __init__(
+        self, stores: Stores, failures: int, until: asyncio.Event | None = None, then_refuse: str | None = None
+    ) -> None:
         super().__init__(
             stores,
             WorkerHooks(
@@ -44,6 +46,8 @@ class FlakyHandlers(CommandHandlers):
         )
         self.failures = failures
         self.until = until
+        # The message that, once the outage is over, is refused (the database answered it with a refusal).
+        self.then_refuse = then_refuse
         self.calls = 0
         self.asked: list[str] = []
 
@@ -52,6 +56,8 @@ class FlakyHandlers(CommandHandlers):
         self.asked.append(message_id)
         if self.until is not None and not self.until.is_set():
             raise StoreUnavailable("the database went away")
+        if message_id == self.then_refuse:
+            raise NotSuspended("answered while the database was away: nothing to claim")
         if self.calls <= self.failures:
             raise StoreUnavailable("the database went away")
         return None
@@ -80,10 +86,10 @@ async def consume_with(
     return consumers
 
 
-async def send_cancel(connection: AbstractRobustConnection) -> str:
+async def send_cancel(connection: AbstractRobustConnection, message_id: str | None = None) -> str:
     channel = await connection.channel(publisher_confirms=True)
     exchange = await channel.get_exchange(COMMANDS_EXCHANGE)
-    message_id = str(uuid.uuid4())
+    message_id = message_id or str(uuid.uuid4())
     await exchange.publish(
         aio_pika.Message(
             b'{"scope": {"app": "a", "tenant": "t"}, "run_id": "r1"}',
@@ -166,3 +172,34 @@ async def test_an_outage_holds_the_delivery_and_starts_no_other_command_until_it
     # Each later command needed one attempt; nothing was dead-lettered or requeued.
     assert [handlers.asked.count(m) for m in later] == [1, 1, 1]
     assert dead.messages == []
+
+
+async def test_commands_waiting_out_an_outage_go_as_soon_as_the_database_answers_even_with_a_refusal(
+    stores: Stores, amqp_url: str, amqp_connect: ConnectionFactory, capture: CaptureFactory
+) -> None:
+    over = asyncio.Event()
+    connection = await amqp_connect(amqp_url, "policy")
+    first_id = f"first-{uuid.uuid4()}"
+    handlers = FlakyHandlers(stores, failures=0, until=over, then_refuse=first_id)
+    # A retry window far longer than the waits below: a command that waited for the window to pass would
+    # fail this test.
+    consumers = await consume_with(stores, connection, handlers, retry_seconds=600, prefetch=4)
+    await send_cancel(connection, message_id=first_id)
+
+    async def probing() -> bool:
+        return handlers.calls >= 3
+
+    await eventually(probing, what="the first command retried during the outage")
+    later = [await send_cancel(connection) for _ in range(3)]
+
+    async def waiting() -> bool:
+        return consumers.in_flight == 4
+
+    await eventually(waiting, what="the later commands waiting")
+    over.set()
+
+    async def all_applied() -> bool:
+        return consumers.in_flight == 0 and set(handlers.asked) >= set(later)
+
+    await eventually(all_applied, within=20, what="the waiting commands applied once the database answered")
+    await consumers.stop(grace=5)
