@@ -424,6 +424,10 @@ class Simulator:
         purpose: str = "answer",
     ) -> SentCommand:
         mid = mid or f"answer:{plan.run_id}:{notice.suspension_id}"
+        if answer.command is Command.DECIDE and "not_suspended" in codes:
+            # A decision that finds its pause gone finds its checkpoint closed too (by the cancel, the expiry
+            # or the decision that won): the original answers that invalid_state, before not_suspended.
+            codes = codes | {"invalid_state"}
         record = self._record(
             mid=mid,
             key=answer.command,
