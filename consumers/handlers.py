@@ -3,8 +3,9 @@
 Each command has a route: the strict model its body must parse as, and the handler that applies it. Every
 handler runs ONE transition through the store (inbox record, claim, lease, first progress, outbox event)
 and returns the run it claimed for this worker, or None when there is nothing to run. Authority is
-re-derived here from what the broker vouches for (the message's validated ``user_id``) and from the stored
-pause, never from the body's word.
+re-derived here from what the broker vouches for (the message's validated ``user_id``, the scope its
+routing key names, which the broker's topic permissions confine) and from the stored pause, never from the
+body's word.
 """
 
 from __future__ import annotations
@@ -13,15 +14,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from pydantic import BaseModel
-
-from intermission.consumers.parsing import Delivery, parse_body
+from intermission.consumers.parsing import Delivery, check_key_scope, parse_body
 from intermission.schemas.commands import (
     CancelCommand,
     DecideCommand,
     ExpireCommand,
     ReplyCommand,
     ResumeCommand,
+    ScopedCommand,
     StartCommand,
 )
 from intermission.schemas.errors import Forbidden, NotSuspended, RunConflict
@@ -31,7 +31,7 @@ from intermission.store.commands import Claimed, RunDefaults
 from intermission.store.inbox import Receipt
 from intermission.wire import Command
 
-C = TypeVar("C", bound=BaseModel)
+C = TypeVar("C", bound=ScopedCommand)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class Route(Generic[C]):
         self, handlers: CommandHandlers, command: Command, delivery: Delivery, message_id: str
     ) -> Claimed | None:
         body = parse_body(self.model, delivery.body)
+        check_key_scope(command, delivery.routing_key, body.scope)
         applying = Applying(delivery, message_id, Receipt.of(message_id, command.value, body), handlers.hooks.lease())
         return await self.handle(handlers, body, applying)
 

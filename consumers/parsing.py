@@ -19,8 +19,9 @@ from typing import Any, Final, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json
 
-from intermission.schemas.errors import InvalidMessage, InvalidScope, UnsupportedSchemaVersion
-from intermission.wire import SCHEMA_VERSION, SCHEMA_VERSION_HEADER
+from intermission.schemas.errors import Forbidden, InvalidMessage, InvalidScope, UnsupportedSchemaVersion
+from intermission.schemas.scope import Scope
+from intermission.wire import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command, KeyScopeInvalid
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -101,6 +102,27 @@ def parse_body(model: type[C], body: bytes) -> C:
         first = errors[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise InvalidMessage(f"{where}: {first['msg']} ({len(errors)} problem(s))") from exc
+
+
+def key_scope(command: Command, routing_key: str) -> Scope | None:
+    """The scope ``routing_key`` names (None for the bare key); InvalidScope when it names none."""
+    try:
+        return command.scope_of_key(routing_key)
+    except KeyScopeInvalid as exc:
+        raise InvalidScope(str(exc)) from exc
+
+
+def check_key_scope(command: Command, routing_key: str, body_scope: Scope) -> None:
+    """A command keyed for one scope must act in that scope. The broker lets a confined host publish only
+    its own scopes' keys; the body is the host's word, so a body naming another scope is a forgery (or a
+    bug) and is ``forbidden``. The bare key carries no scope: only identities trusted with every scope can
+    publish it, and their body's scope is taken as it is."""
+    named = key_scope(command, routing_key)
+    if named is not None and named != body_scope:
+        raise Forbidden(
+            f"the routing key names the scope {named.routing_suffix()} but the body acts in "
+            f"{body_scope.routing_suffix()}"
+        )
 
 
 def readable_body(body: bytes) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ from intermission.schemas.errors import IntermissionError
 from intermission.schemas.events import CommandRejected
 from intermission.schemas.ids import RUN_ID_PATTERN
 from intermission.schemas.scope import Scope
-from intermission.wire import dead_copy, rejected_key, rejection_message
+from intermission.wire import Command, KeyScopeInvalid, dead_copy, rejected_key, rejection_message
 
 _RUN_ID = re.compile(RUN_ID_PATTERN)
 
@@ -34,6 +34,23 @@ def _scope(body: dict[str, Any] | None) -> Scope | None:
         return Scope(app=hint[0], tenant=hint[1])
     except ValidationError:
         return None
+
+
+def _refusal_scope(routing_key: str, body: dict[str, Any] | None) -> Scope | None:
+    """Whose stream hears a refusal: the scope the routing key names, which the broker vouches for, and
+    never the scope a body merely claims (a host keyed for its own scope must not be able to send refusals,
+    with their run ids and details, into another tenant's stream). A bare key was published by an identity
+    trusted with every scope, so its body's scope is the sender's; a key that names no valid scope is
+    nobody's."""
+    for candidate in Command:
+        if routing_key == candidate.value:
+            return _scope(body)
+        if routing_key.startswith(f"{candidate.value}."):
+            try:
+                return candidate.scope_of_key(routing_key)
+            except KeyScopeInvalid:
+                return None
+    return None
 
 
 def _run_id(body: dict[str, Any] | None) -> str | None:
@@ -53,7 +70,7 @@ class Rejecter:
 
     async def reject(self, delivery: Delivery, error: IntermissionError) -> CommandRejected:
         body = readable_body(delivery.body)
-        scope = _scope(body)
+        scope = _refusal_scope(delivery.routing_key, body)
         rejection = CommandRejected(
             message_id=delivery.message_id or "",
             routing_key=delivery.routing_key,

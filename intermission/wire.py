@@ -4,9 +4,13 @@ properties, the builders of every message Intermission sends, and the topology's
 Hosts and the messaging bus are written against this contract (``docs/contracts.md`` describes it for
 them), so every layer takes its names from here and nothing builds a message by hand.
 
-- ``intermission.commands`` (direct) routes each command to its quorum queue; each queue dead-letters to
-  ``intermission.dead`` (fanout, into the quorum queue of that name) at least once, and has a delivery
-  limit, so a command that keeps failing ends there instead of looping forever.
+- ``intermission.commands`` (topic) routes each command to its quorum queue. A command's key names the
+  scope of its body, ``run.<command>.<app>.<tenant>``, and each queue is bound with ``run.<command>.#``:
+  that is what lets RabbitMQ's topic permissions confine a host to its tenants (a confined user may only
+  publish keys of its own scopes), while the bare ``run.<command>`` still routes for identities trusted
+  with every scope. Each queue dead-letters to ``intermission.dead`` (fanout, into the quorum queue of
+  that name) at least once, and has a delivery limit, so a command that keeps failing ends there instead
+  of looping forever.
 - ``intermission.events`` (topic) carries notices, run events and refusals to hosts and the bus, under
   ``notice.<reason>.<app>.<tenant>``, ``run.<kind>.<app>.<tenant>`` and ``command.rejected.<app>.<tenant>``.
 - Every message is ``application/json``, persistent, has a ``message_id``, ``type`` = its routing key, the
@@ -29,12 +33,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import aio_pika
-from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue, FieldValue
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, AbstractQueue, FieldValue
+from aiormq.exceptions import ChannelPreconditionFailed
 from pamqp.encode import field_table
-from pydantic import BaseModel
 
 from intermission.schemas.events import CommandRejected, RunEventKind
 from intermission.schemas.scope import Scope
@@ -74,7 +78,7 @@ DEAD_QUEUE: Final = "intermission.dead"
 
 
 class Command(StrEnum):
-    """Command routing keys."""
+    """The commands, named by their bare routing keys."""
 
     START = "run.start"
     RESUME = "run.resume"
@@ -86,6 +90,44 @@ class Command(StrEnum):
     @property
     def queue(self) -> str:
         return COMMAND_QUEUES[self]
+
+    @classmethod
+    def of_key(cls, routing_key: str) -> Command | None:
+        """The command a routing key (bare or scoped) is for, None when it is no command's."""
+        for command in cls:
+            if routing_key == command.value or routing_key.startswith(f"{command.value}."):
+                return command
+        return None
+
+    @property
+    def binding(self) -> str:
+        """The command queue's binding: the bare key and every scoped one."""
+        return f"{self.value}.#"
+
+    def key(self, scope: Scope) -> str:
+        """The routing key of this command for ``scope``: ``run.resume.acme.eu-1``."""
+        return f"{self.value}.{scope.routing_suffix()}"
+
+    def scope_of_key(self, routing_key: str) -> Scope | None:
+        """The scope a routing key of this command names, or None for the bare key. KeyScopeInvalid for a
+        key of this command whose remainder is not exactly ``<app>.<tenant>`` (``#`` routes it anyway)."""
+        if routing_key == self.value:
+            return None
+        app, dot, tenant = routing_key.removeprefix(f"{self.value}.").partition(".")
+        if not routing_key.startswith(f"{self.value}.") or not dot:
+            raise KeyScopeInvalid(routing_key)
+        try:
+            return Scope(app=app, tenant=tenant)
+        except ValueError as exc:
+            raise KeyScopeInvalid(routing_key) from exc
+
+
+class KeyScopeInvalid(ValueError):
+    """A command's routing key names no scope the contract allows."""
+
+    def __init__(self, routing_key: str) -> None:
+        super().__init__(f"the routing key {routing_key!r} does not end in .<app>.<tenant>")
+        self.routing_key = routing_key
 
 
 COMMAND_QUEUES: Final[dict[Command, str]] = {
@@ -151,9 +193,18 @@ def message(
     )
 
 
+class ScopedBody(Protocol):
+    """A command body: every one names its scope."""
+
+    @property
+    def scope(self) -> Scope: ...
+
+    def model_dump_json(self) -> str: ...
+
+
 def command_message(
     command: Command,
-    body: BaseModel,
+    body: ScopedBody,
     *,
     message_id: str,
     correlation_id: str | None = None,
@@ -161,11 +212,12 @@ def command_message(
     user_id: str | None = None,
 ) -> aio_pika.Message:
     """A command as hosts, the bus and the sweeper send it. ``user_id`` must be the publishing connection's
-    own user: RabbitMQ refuses any other, which is what lets a worker trust it."""
+    own user: RabbitMQ refuses any other, which is what lets a worker trust it. Its routing key (and
+    ``type``) is the command's key for the body's scope."""
     return message(
         body.model_dump_json(),
         message_id=message_id,
-        routing_key=command.value,
+        routing_key=command.key(body.scope),
         correlation_id=correlation_id,
         traceparent=traceparent,
         user_id=user_id,
@@ -307,6 +359,34 @@ class Topology:
     queues: dict[Command, AbstractQueue]
 
 
+class TopologyOutdated(RuntimeError):
+    """The broker still has the direct ``intermission.commands`` of before scoped routing."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            f"{COMMANDS_EXCHANGE} is not a topic exchange on this broker ({detail}); this version routes "
+            "commands by scope. Convert it with `intermission topology upgrade` (queued commands are kept), "
+            "then start the workers again"
+        )
+
+
+def _is_type_mismatch(error: ChannelPreconditionFailed) -> bool:
+    # RabbitMQ's answer to declaring an existing exchange with another type: "PRECONDITION_FAILED -
+    # inequivalent arg 'type' for exchange ... received 'topic' but current is 'direct'".
+    return "inequivalent arg 'type'" in str(error)
+
+
+async def declare_commands_exchange(channel: AbstractChannel) -> AbstractExchange:
+    """The commands exchange, or TopologyOutdated when a direct one of an older version is in its place
+    (the broker closes ``channel`` over the mismatch)."""
+    try:
+        return await channel.declare_exchange(COMMANDS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
+    except ChannelPreconditionFailed as exc:
+        if _is_type_mismatch(exc):
+            raise TopologyOutdated(str(exc)) from exc
+        raise
+
+
 def command_queue_arguments(delivery_limit: int) -> dict[str, Any]:
     return {
         "x-queue-type": "quorum",
@@ -321,7 +401,7 @@ def command_queue_arguments(delivery_limit: int) -> dict[str, Any]:
 async def declare(channel: AbstractChannel, *, delivery_limit: int) -> Topology:
     """Declare the whole topology, idempotently. Queue arguments are fixed when a queue is first declared:
     a changed ``delivery_limit`` needs the queues re-created."""
-    commands = await channel.declare_exchange(COMMANDS_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True)
+    commands = await declare_commands_exchange(channel)
     events = await channel.declare_exchange(EVENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
     dead = await channel.declare_exchange(DEAD_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
     dead_queue = await channel.declare_queue(DEAD_QUEUE, durable=True, arguments={"x-queue-type": "quorum"})
@@ -329,6 +409,35 @@ async def declare(channel: AbstractChannel, *, delivery_limit: int) -> Topology:
     queues: dict[Command, AbstractQueue] = {}
     for command, name in COMMAND_QUEUES.items():
         queue = await channel.declare_queue(name, durable=True, arguments=command_queue_arguments(delivery_limit))
-        await queue.bind(commands, routing_key=command.value)
+        await queue.bind(commands, routing_key=command.binding)
         queues[command] = queue
     return Topology(commands=commands, events=events, dead=dead, dead_queue=dead_queue, queues=queues)
+
+
+async def upgrade(connection: AbstractConnection, *, delivery_limit: int) -> bool:
+    """Convert a broker's direct ``intermission.commands`` into the topic exchange of scoped routing, and
+    declare the rest of the topology; returns whether there was anything to convert.
+
+    An exchange's type cannot change, so the old one is deleted (its bindings with it) and the new one
+    declared and bound. The command queues keep every message meanwhile: a quorum queue's messages do not
+    depend on the exchanges bound to it. A command published in the moment between the two has no exchange
+    to go to: the broker refuses it (a publisher with confirms is told, and re-sends it under the same
+    message_id), so none is lost unseen. Stop the old workers first: they declare the direct exchange.
+    """
+    probe = await connection.channel()
+    try:
+        await declare_commands_exchange(probe)
+        outdated = False
+    except TopologyOutdated:
+        outdated = True
+    finally:
+        if not probe.is_closed:
+            await probe.close()
+    channel = await connection.channel()
+    try:
+        if outdated:
+            await channel.exchange_delete(COMMANDS_EXCHANGE)
+        await declare(channel, delivery_limit=delivery_limit)
+    finally:
+        await channel.close()
+    return outdated

@@ -23,6 +23,7 @@ from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
 from intermission.store.migrate import ensure_database, migrate
+from intermission.wire import COMMANDS_EXCHANGE, TopologyOutdated, upgrade
 
 T = TypeVar("T")
 
@@ -67,6 +68,8 @@ def run_or_exit(what: str, work: Coroutine[Any, Any, T]) -> T:
             return runner.run(work)
     except IntermissionError as exc:
         click.echo(f"{what} failed ({exc.code}): {exc.detail}", err=True)
+    except TopologyOutdated as exc:
+        click.echo(f"{what} failed: {exc}", err=True)
     except (OSError, ConnectionError) as exc:
         click.echo(f"{what} failed: cannot reach a server ({type(exc).__name__}: {exc})", err=True)
     sys.exit(1)
@@ -131,6 +134,27 @@ def demo_command() -> None:
         click.echo(f"demo failed: the runs did not finish within {TIMEOUT_SECONDS:.0f} s", err=True)
         sys.exit(1)
     sys.exit(0 if completed == 3 else 1)
+
+
+@main.group("topology")
+def topology_group() -> None:
+    """The broker's exchanges, queues and bindings."""
+
+
+@topology_group.command("upgrade")
+def topology_upgrade_command() -> None:
+    """Convert a broker whose intermission.commands is still direct to scoped (topic) routing, keeping
+    every queued command; declare what is missing. Stop the workers of the old version first."""
+    settings = load_settings()
+
+    async def run(connection: AbstractRobustConnection) -> bool:
+        return await upgrade(connection, delivery_limit=settings.delivery_limit)
+
+    converted = run_or_exit("topology upgrade", on_broker(settings, run))
+    if converted:
+        click.echo(f"converted {COMMANDS_EXCHANGE} to a topic exchange; the command queues kept their messages")
+    else:
+        click.echo("the topology is up to date")
 
 
 @main.group("runs")

@@ -2,9 +2,10 @@
 
 ``dead list`` reads the dead-letter queue without taking anything out of it (every message it fetched is
 returned to the queue when it is done). ``dead replay`` republishes dead-lettered commands to their
-original routing key, with the refusal headers removed, waits for the broker's confirm, and only then
-acknowledges the dead copy: a command is never in neither place. Replaying keeps the ``message_id``, so a
-command whose effect did commit after all is acknowledged as a duplicate, not applied twice.
+original routing key (a bare one made scoped by the body's scope), with the refusal headers removed, waits
+for the broker's confirm, and only then acknowledges the dead copy: a command is never in neither place.
+Replaying keeps the ``message_id``, so a command whose effect did commit after all is acknowledged as a
+duplicate, not applied twice.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 
+from intermission.consumers.parsing import readable_body, scope_hint
+from intermission.schemas.scope import Scope
 from intermission.wire import (
     COMMANDS_EXCHANGE,
     DEAD_QUEUE,
@@ -98,22 +101,23 @@ async def replay_dead(
     replayed: list[DeadLetter] = []
     try:
         exchange = await channel.get_exchange(COMMANDS_EXCHANGE)
-        commands = {c.value for c in Command}
         for message in fetched:
             letter = describe(message)
-            if letter.routing_key not in commands or not wanted(letter):
+            command = Command.of_key(letter.routing_key)
+            if command is None or not wanted(letter):
                 continue
+            key = scoped_key(command, letter.routing_key, message.body)
             await exchange.publish(
                 replayed_command(
                     message.body,
                     message.headers or {},
                     message_id=message.message_id,
                     correlation_id=message.correlation_id,
-                    routing_key=letter.routing_key,
+                    routing_key=key,
                     user_id=message.user_id if message.user_id == _connection_user(connection) else None,
                     content_type=message.content_type,
                 ),
-                routing_key=letter.routing_key,
+                routing_key=key,
             )
             # Confirmed: the command is back in its queue, so the dead copy may go.
             await message.ack()
@@ -122,6 +126,21 @@ async def replay_dead(
         with contextlib.suppress(Exception):
             await channel.close()
     return replayed
+
+
+def scoped_key(command: Command, routing_key: str, body: bytes) -> str:
+    """The key a replay publishes under: the original when it names a scope; for a command sent with the
+    bare key (before scoped routing, or by a trusted identity), the key of its body's scope when the body
+    names a valid one, so that every replayed command is keyed by scope; the bare key otherwise."""
+    if routing_key != command.value:
+        return routing_key
+    hint = scope_hint(readable_body(body))
+    if hint is None:
+        return routing_key
+    try:
+        return command.key(Scope(app=hint[0], tenant=hint[1]))
+    except ValueError:
+        return routing_key
 
 
 def _connection_user(connection: AbstractRobustConnection) -> str | None:

@@ -202,10 +202,25 @@ class BrokerGrants:
         return scopes
 
     async def revoke(self, user: str, scope: Scope) -> list[Scope]:
-        """Take ``scope`` away from ``user``; returns its scopes now."""
+        """Take ``scope`` away from ``user``; returns its scopes now. The user's open connections to this
+        vhost are closed: RabbitMQ caches permission checks per connection and channel, so a connection
+        opened before the revocation could go on publishing for the scope it lost. Its clients reconnect
+        (the robust ones do it by themselves) under what the user is still granted."""
         scopes = [s for s in await self.scopes(user) if s != scope]
         await self.set_scopes(user, scopes)
+        await self.disconnect(user, reason=f"intermission revoke: {scope} was revoked")
         return scopes
+
+    async def disconnect(self, user: str, *, reason: str) -> int:
+        """Close every connection ``user`` has open to this vhost; returns how many there were."""
+        response = await self._request("GET", self._path("vhosts", self.vhost, "connections"))
+        names = [str(c["name"]) for c in response.json() if c.get("user") == user and "name" in c]
+        for name in names:
+            # 404: the connection closed meanwhile, which is what was wanted.
+            response = await self._client.delete(self._path("connections", name), headers={"X-Reason": reason})
+            if response.status_code >= 400 and response.status_code != 404:
+                raise ManagementError(f"closing {user}'s connection: {response.status_code} {response.text[:300]}")
+        return len(names)
 
     async def _require_user(self, user: str) -> None:
         response = await self._client.get(self._path("users", user))

@@ -66,7 +66,14 @@ from typing_extensions import Unpack
 from yarl import URL
 
 from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher, connect
-from intermission.schemas.commands import CancelCommand, DecideCommand, ReplyCommand, ResumeCommand, StartCommand
+from intermission.schemas.commands import (
+    CancelCommand,
+    DecideCommand,
+    ReplyCommand,
+    ResumeCommand,
+    ScopedCommand,
+    StartCommand,
+)
 from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
 from intermission.schemas.scope import Scope, require_scope
 from intermission.schemas.suspension import ClaimVersion, Notice, SuspendReason
@@ -341,7 +348,7 @@ class _CommandClient:
     async def send(
         self,
         command: Command,
-        body: BaseModel,
+        body: ScopedCommand,
         *,
         message_id: str | None = None,
         correlation_id: str | None = None,
@@ -360,7 +367,7 @@ class _CommandClient:
                 traceparent=traceparent,
                 user_id=self.user_id,
             ),
-            command.value,
+            command.key(body.scope),
         )
         return chosen
 

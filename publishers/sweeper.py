@@ -210,7 +210,7 @@ class ExpirySweeper:
             take = len(due) if pacer is None else pacer.allowance()
             burst, due = due[:take], due[take:]
             outcomes = await self._publisher.publish_all(
-                [Outgoing(expire_message(p), Command.EXPIRE.value) for p in burst]
+                [Outgoing(expire_message(p), Command.EXPIRE.key(p.scope)) for p in burst]
             )
             sent = 0
             for pause, outcome in zip(burst, outcomes, strict=True):

@@ -15,10 +15,15 @@ from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import ClaimVersion
 
 
-class StartCommand(StrictModel):
-    """``run.start``: the caller picks ``run_id``, so a repeated start is a no-op."""
+class ScopedCommand(StrictModel):
+    """What every command body has first: the scope it acts in, which its routing key must name too."""
 
     scope: Scope
+
+
+class StartCommand(ScopedCommand):
+    """``run.start``: the caller picks ``run_id``, so a repeated start is a no-op."""
+
     run_id: RunId
     agent_id: AgentId
     input: str = ""
@@ -40,10 +45,9 @@ class ToolAnswer(StrictModel):
     error: str | None = None
 
 
-class ResumeCommand(StrictModel):
+class ResumeCommand(ScopedCommand):
     """``run.resume``: a host answers an ``external_tool`` pause."""
 
-    scope: Scope
     version: ClaimVersion
     results: list[ToolAnswer]
 
@@ -53,37 +57,33 @@ class Decision(StrEnum):
     DENY = "deny"
 
 
-class DecideCommand(StrictModel):
+class DecideCommand(ScopedCommand):
     """``run.decide``: a person's decision on an ``approval`` pause."""
 
-    scope: Scope
     version: ClaimVersion
     checkpoint_id: CheckpointId
     decision: Decision
     reason: str = ""
 
 
-class ReplyCommand(StrictModel):
+class ReplyCommand(ScopedCommand):
     """``run.reply``: the messaging bus answers an ``agent_reply`` pause. ``input`` is the agent's encoded
     reply, stored and returned byte for byte."""
 
-    scope: Scope
     version: ClaimVersion
     reply_with: str = Field(min_length=1)
     input: str
 
 
-class ExpireCommand(StrictModel):
+class ExpireCommand(ScopedCommand):
     """``run.expire``: the sweeper found the pause past its deadline."""
 
-    scope: Scope
     version: ClaimVersion
     expired_by: AwareDatetime
 
 
-class CancelCommand(StrictModel):
+class CancelCommand(ScopedCommand):
     """``run.cancel``: end a paused run as cancelled."""
 
-    scope: Scope
     run_id: RunId
     reason: str = ""

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 TESTS = Path(__file__).resolve().parent
 
 # RabbitMQ fixtures: a vhost per test, captures, real test users, a broker restart.
-pytest_plugins = ["tests.support.amqp"]
+pytest_plugins = ["tests.support.amqp", "tests.support.confined"]
 
 # Each folder is a tier, marked as such: run one with -m (``-m "not soak"``, ``-m unit``).
 TIERS = {"unit", "integration", "acceptance", "soak", "bench"}

@@ -28,7 +28,6 @@ from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractRobustConnection
-from pydantic import BaseModel
 
 from bench.soak.env import SoakEnv
 from bench.soak.ledger import Expect, Fate, Ledger, RunPlan, SentCommand, seeded
@@ -42,6 +41,7 @@ from intermission.schemas.commands import (
     Decision,
     ReplyCommand,
     ResumeCommand,
+    ScopedCommand,
     StartCommand,
     ToolAnswer,
 )
@@ -107,7 +107,7 @@ SENDER_RETRIES: tuple[type[BaseException], ...] = (*RETRYABLE, RuntimeError)
 class Answer:
     client: Client
     command: Command
-    body: BaseModel
+    body: ScopedCommand
     sender: str
 
 
@@ -189,7 +189,7 @@ class Sender:
             record.confirmed = True
             return
 
-    async def send(self, client: Client, command: Command, body: BaseModel, record: SentCommand) -> None:
+    async def send(self, client: Client, command: Command, body: ScopedCommand, record: SentCommand) -> None:
         mid = record.message_id
         assert mid is not None
         await self._retry(lambda: client.send(command, body, message_id=mid), record)
@@ -566,7 +566,7 @@ class Simulator:
         scope = plan.scope
         foreign = Scope(app=FOREIGN_APP, tenant=scope.tenant)
         client: Client
-        body: BaseModel
+        body: ScopedCommand
         if kind == "foreign_scope_command":
             codes = frozenset({"not_suspended"})
             if rng.random() < 0.25:
@@ -668,7 +668,7 @@ class Simulator:
         _old_mid, key, body_json, sender = plan.answers[old_sid]
         command = Command(key)
         mid = self._forged_mid("stale")
-        body: BaseModel
+        body: ScopedCommand
         if command is Command.REPLY:
             body = ReplyCommand.model_validate_json(body_json)
         elif command is Command.DECIDE:
@@ -697,7 +697,7 @@ class Simulator:
     async def _competing_answers(self, plan: RunPlan, notice: Notice, legit: Answer) -> None:
         """Two different answers to one pause, the later one sent first: exactly one has an effect."""
         if isinstance(legit.body, ResumeCommand):
-            other: BaseModel = legit.body.model_copy(
+            other: ScopedCommand = legit.body.model_copy(
                 update={
                     "results": [r.model_copy(update={"content": "competing " + r.content}) for r in legit.body.results]
                 }
@@ -731,7 +731,7 @@ class Simulator:
             self.ledger.fault("message_id_conflict", f"{mid}: effect not seen in time", done=False)
             return
         if isinstance(legit.body, ResumeCommand):
-            body: BaseModel = legit.body.model_copy(
+            body: ScopedCommand = legit.body.model_copy(
                 update={"results": [r.model_copy(update={"content": FORGED}) for r in legit.body.results]}
             )
         else:
@@ -755,7 +755,7 @@ class Simulator:
     async def _after_end(self, kind: str, plan: RunPlan) -> None:
         mid = self._forged_mid(kind)
         if kind == "run_exists":
-            body: BaseModel = StartCommand(scope=plan.scope, run_id=plan.run_id, agent_id="demo", input=FORGED)
+            body: ScopedCommand = StartCommand(scope=plan.scope, run_id=plan.run_id, agent_id="demo", input=FORGED)
             command, codes = Command.START, frozenset({"run_exists"})
         else:
             body = CancelCommand(scope=plan.scope, run_id=plan.run_id, reason=FORGED)

@@ -85,7 +85,7 @@ async def reject(stores: Stores, scope: Scope, message_id: str) -> str:
 async def test_host_client_publishes_the_command_contract(
     scope: Scope, amqp_url: str, amqp_connect: ConnectionFactory, capture: CaptureFactory
 ) -> None:
-    seen = await capture(amqp_url, COMMANDS_EXCHANGE, *(c.value for c in Command))
+    seen = await capture(amqp_url, COMMANDS_EXCHANGE, *(c.binding for c in Command))
     version = ClaimVersion(run_id="run-1", suspension_id=7, run_revision=3)
     start = StartCommand(scope=scope, run_id="run-1", agent_id="demo", input="hi")
     resume = ResumeCommand(scope=scope, version=version, results=[ToolAnswer(call_id="c1", content="42")])
@@ -108,7 +108,10 @@ async def test_host_client_publishes_the_command_contract(
     got = await seen.wait_ids(set(sent))
     for message in got:
         command, body = sent[message.message_id or ""]
-        assert message.routing_key == message.type == command.value
+        # Keyed by the body's scope, which is what the broker's topic permissions confine.
+        assert (
+            message.routing_key == message.type == command.key(scope) == f"{command.value}.{scope.app}.{scope.tenant}"
+        )
         assert message.body == body.model_dump_json().encode()
         assert message.content_type == "application/json"
         assert message.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
@@ -118,7 +121,7 @@ async def test_host_client_publishes_the_command_contract(
     by_id = {m.message_id: m for m in got}
     assert by_id["start-1"].correlation_id == "corr-1"
     assert by_id["start-1"].headers[TRACEPARENT_HEADER] == TRACEPARENT
-    decided = next(m for m in got if m.type == Command.DECIDE.value)
+    decided = next(m for m in got if m.type == Command.DECIDE.key(scope))
     assert decided.correlation_id == "corr-3"
     assert TRACEPARENT_HEADER not in decided.headers
 
@@ -136,7 +139,7 @@ async def test_a_command_no_queue_takes_fails_loudly(
     # A vhost with the commands exchange but no queues bound: mandatory publishing returns the command.
     connection = await amqp_connect(amqp_vhost.url(), "bare")
     channel = await connection.channel()
-    await channel.declare_exchange(COMMANDS_EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True)
+    await channel.declare_exchange(COMMANDS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
     host = HostClient(connection, user_id="guest")
     try:
         with pytest.raises(PublishFailed):
@@ -153,7 +156,7 @@ async def test_bus_reply_carries_the_bus_user_and_rabbitmq_refuses_a_forged_one(
     amqp_connect: ConnectionFactory,
     capture: CaptureFactory,
 ) -> None:
-    seen = await capture(amqp_url, COMMANDS_EXCHANGE, Command.REPLY.value)
+    seen = await capture(amqp_url, COMMANDS_EXCHANGE, Command.REPLY.binding)
     version = ClaimVersion(run_id="run-1", suspension_id=7, run_revision=3)
     reply_input = json.dumps({"performative": "inform", "sender": "peer", "content": "ok \u00e9"})
 
@@ -173,7 +176,7 @@ async def test_bus_reply_carries_the_bus_user_and_rabbitmq_refuses_a_forged_one(
 
     (message,) = await seen.wait_ids({sent})
     assert message.user_id == rabbit.bus.name
-    assert message.type == Command.REPLY.value
+    assert message.type == message.routing_key == Command.REPLY.key(scope)
     assert message.correlation_id == "q-1"
     body = json.loads(message.body)
     assert body["input"] == reply_input

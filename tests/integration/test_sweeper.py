@@ -83,7 +83,7 @@ async def new_sweeper(
 
 
 async def expire_capture(capture: CaptureFactory, amqp_url: str) -> Capture:
-    return await capture(amqp_url, COMMANDS_EXCHANGE, Command.EXPIRE.value)
+    return await capture(amqp_url, COMMANDS_EXCHANGE, Command.EXPIRE.binding)
 
 
 async def test_sweeper_publishes_one_deterministic_expire_per_expired_pause_of_a_paused_run_in_every_scope(
@@ -113,7 +113,8 @@ async def test_sweeper_publishes_one_deterministic_expire_per_expired_pause_of_a
     got = await seen.wait_ids(set(want))
     assert {m.message_id: m.body for m in got} == want
     for message in got:
-        assert message.routing_key == message.type == Command.EXPIRE.value
+        keyed = ExpireCommand.model_validate_json(message.body).scope
+        assert message.routing_key == message.type == Command.EXPIRE.key(keyed)
         assert message.content_type == "application/json"
         assert message.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
         assert message.headers[SCHEMA_VERSION_HEADER] == SCHEMA_VERSION

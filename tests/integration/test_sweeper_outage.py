@@ -44,7 +44,7 @@ async def test_a_sweeper_that_first_publishes_during_a_broker_outage_backs_off_a
     amqp_connect: ConnectionFactory,
     capture: CaptureFactory,
 ) -> None:
-    seen = await capture(amqp_url, COMMANDS_EXCHANGE, Command.EXPIRE.value)
+    seen = await capture(amqp_url, COMMANDS_EXCHANGE, Command.EXPIRE.binding)
     sweeper = ExpirySweeper(
         stores.db,
         await amqp_connect(amqp_url, "sweeper"),
