@@ -27,7 +27,9 @@ next call (``RunContext``).
 A suspension has ONE reason, because the reason decides who may answer. When one turn asks for answers of
 different kinds, the loop pauses for the first call's kind (all calls of that kind pending together); the
 others stay open and are dispatched when the run resumes, which pauses it again for them. An agent-reply
-pause holds ONE question, since each reply resumes the run.
+pause holds ONE question, since each reply resumes the run. An approval pause holds the calls that share a
+decider (``_approval_group``): who may decide is named by the host in the run's config, and a call's own
+list only narrows it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from intermission.agent.executor import ENDINGS, RunContext
 from intermission.agent.model import ModelClient, ModelRequest, ScriptedModel, ToolSpec
 from intermission.agent.tools import Tool, ToolFailed, ToolKind, ToolRegistry, demo_tools
 from intermission.fleet import points
-from intermission.schemas.config import ExecutionProvenance
+from intermission.schemas.answers import call_approvers, shared_approvers
+from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.errors import (
     BudgetExhausted,
     InvalidContinuation,
@@ -110,6 +113,41 @@ def _arguments(call: ToolCall) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise ToolFailed("arguments are not a JSON object")
     return parsed
+
+
+def _arguments_or_empty(call: ToolCall) -> dict[str, Any]:
+    """A pausing call's arguments as far as they parse (a call whose arguments do not parse names nothing)."""
+    try:
+        return _arguments(call)
+    except ToolFailed:
+        return {}
+
+
+def _approval_group(
+    group: list[tuple[ToolCall, Tool, dict[str, Any]]], config: RunConfig
+) -> tuple[list[tuple[ToolCall, Tool, dict[str, Any]]], list[str] | None]:
+    """The calls one approval pause holds, and who may decide it (None: anyone who may publish for the
+    scope).
+
+    Each call's deciders are the host's list for its tool (``RunConfig.approvers``, from the config the run
+    carries in its continuation, never from the model), narrowed by the list the call's own arguments name
+    (``call_approvers``). One decision approves or denies every call of the pause, so its decider must be
+    one that EVERY call accepts: the pause's list is what the calls' lists share, a call with no list
+    restricting nothing, and no call's list ever widens another's. A call that shares no decider with the
+    calls before it is left out of this pause: it stays open and pauses on its own once this one is
+    answered, as calls of another kind do. So no pause is ever one that nobody may decide, nor one that
+    lets one call's deciders decide another call they were not named for.
+    """
+    held: list[tuple[ToolCall, Tool, dict[str, Any]]] = []
+    deciders: list[str] | None = None
+    for call, tool, args in group:
+        own = call_approvers(config.approvers_for(tool.name), tool.approvers(args))
+        shared = shared_approvers(deciders, own)
+        if held and shared == []:  # (a call's own list is never empty: the first call always holds)
+            continue
+        held.append((call, tool, args))
+        deciders = shared
+    return held, deciders
 
 
 def _open_turn(messages: list[Message]) -> tuple[Message, list[ToolCall]] | None:
@@ -327,27 +365,23 @@ class AgentLoop:
         self, ctx: RunContext, step: _Step, open_calls: list[ToolCall], waiting: list[tuple[ToolCall, Tool]]
     ) -> None:
         reason = _PAUSE_REASONS[waiting[0][1].kind]
-        group = [(c, t) for c, t in waiting if _PAUSE_REASONS[t.kind] is reason]
+        group = [(c, t, _arguments_or_empty(c)) for c, t in waiting if _PAUSE_REASONS[t.kind] is reason]
         if reason is SuspendReason.AGENT_REPLY:
             group = group[:1]
-        pending: list[PendingCall] = []
-        approvers: list[str] = []
-        for call, tool in group:
-            try:
-                args = _arguments(call)
-            except ToolFailed:
-                args = {}
-            pending.append(
-                PendingCall(
-                    id=call.id,
-                    name=call.name,
-                    arguments=call.arguments,
-                    # A fresh token per question: a call id alone may be reused by a later model response.
-                    reply_with=f"rw-{uuid.uuid4().hex}" if reason is SuspendReason.AGENT_REPLY else "",
-                    note=tool.note(args),
-                )
+        deciders: list[str] | None = None
+        if reason is SuspendReason.APPROVAL:
+            group, deciders = _approval_group(group, step.cont.config)
+        pending = [
+            PendingCall(
+                id=call.id,
+                name=call.name,
+                arguments=call.arguments,
+                # A fresh token per question: a call id alone may be reused by a later model response.
+                reply_with=f"rw-{uuid.uuid4().hex}" if reason is SuspendReason.AGENT_REPLY else "",
+                note=tool.note(args),
             )
-            approvers.extend(a for a in tool.approvers(args) if a not in approvers)
+            for call, tool, args in group
+        ]
         # Results already known for this turn travel in the pause as tool messages, so the resume needs
         # only the answers for the pending calls.
         answered = {r.call_id: r for r in step.done}
@@ -356,7 +390,7 @@ class AgentLoop:
             if call.id in answered:
                 messages.append(_tool_message(call, answered[call.id]))
         cont = step.cont.model_copy(update={"messages": messages})
-        await ctx.pause(Pause(reason=reason, pending=pending, continuation=cont, approvers=approvers))
+        await ctx.pause(Pause(reason=reason, pending=pending, continuation=cont, approvers=deciders or []))
         points.reach(points.AFTER_PAUSE)
         raise _Stop
 

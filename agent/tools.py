@@ -64,7 +64,9 @@ class Tool:
         raise ToolFailed(f"{self.name} does not run inside the worker")
 
     def approvers(self, arguments: dict[str, Any]) -> list[str]:
-        """Who may decide an approval of this call; empty means any host."""
+        """Who the call's own arguments name to decide its approval: the model's word, so it can only
+        narrow the host's list for the tool (``RunConfig.approvers``), never widen it (the agent loop's
+        ``_approval_group``); empty names nobody and narrows nothing."""
         return []
 
     def note(self, arguments: dict[str, Any]) -> str:

@@ -93,6 +93,7 @@ class _Pacer:
 
 def expire_message_id(pause: ExpiredPause) -> str:
     """The same id for the same pause from every sweeper, on every sweep."""
+    # Unique across scopes too (run ids are global), so the per-scope inbox key changes nothing here.
     return f"expire:{pause.run_id}:{pause.suspension_id}"
 
 

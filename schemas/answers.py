@@ -51,9 +51,42 @@ def check_authority(source: Source, suspension: Suspension) -> None:
 
 
 def check_approver(suspension: Suspension, principal: str | None) -> None:
-    """Where the pause names approvers, only one of them may decide."""
+    """A decision always names its decider: ``principal`` is the message's broker-validated user_id, which
+    the checkpoint records as ``decided_by``. Where the pause names approvers, only one of them may
+    decide; where it names none, anyone who may publish for the scope."""
+    if not principal:
+        # A decision nobody can be held to, even on a pause anyone may decide: RabbitMQ vouches only for a
+        # user_id the message carries.
+        raise Forbidden("a decision must carry the user_id of its decider")
     if suspension.approvers and principal not in suspension.approvers:
-        raise Forbidden(f"{principal or 'an unidentified sender'} may not decide this approval")
+        raise Forbidden(f"{principal} may not decide this approval")
+
+
+def call_approvers(host: list[str] | None, named: list[str]) -> list[str] | None:
+    """Who may decide the approval of one call: None for anyone who may publish for the scope.
+
+    ``host`` is the host's list for the call's tool (``RunConfig.approvers``; None when it names none),
+    ``named`` the list the call's own arguments name: the model's word, which may only narrow the host's.
+    With no host list the call's list stands (empty: anyone); with one, only the names on both count, and
+    a call that names nobody the host named gets the host's list: naming outsiders neither widens the
+    pause nor leaves it open to anyone.
+    """
+    named = list(dict.fromkeys(named))
+    if host is None:
+        return named or None
+    host = list(dict.fromkeys(host))
+    narrowed = [name for name in named if name in host]
+    return narrowed or host
+
+
+def shared_approvers(one: list[str] | None, other: list[str] | None) -> list[str] | None:
+    """Who both lists accept (None accepts anyone): the deciders of one decision that answers calls of
+    both. Empty when they share nobody."""
+    if one is None:
+        return other
+    if other is None:
+        return one
+    return [name for name in one if name in other]
 
 
 def validate_results(pending: list[PendingCall], results: list[ToolAnswer]) -> list[ToolAnswer]:

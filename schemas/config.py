@@ -9,9 +9,9 @@ reasoning loop, a persona it has no registry for) are refused by ``unsupported``
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, SerializerFunctionWrapHandler, model_serializer
 
 from intermission.schemas.base import Model
 from intermission.schemas.llm import Message, Role
@@ -27,6 +27,38 @@ MAX_TEMPERATURE = 2.0
 # them: valid JSON, and deliberately NOT an object, so a host that tries to run the call with it fails
 # loudly instead of running it with made-up arguments.
 REDACTED_ARGUMENTS = '"[redacted]"'
+# A decider is named as RabbitMQ names the user a message's broker-validated user_id carries: an AMQP short
+# string, at most 255 bytes.
+MAX_USER_NAME_BYTES = 255
+# How many tools a config may name approvers for, and how many approvers per tool: a config travels in
+# every snapshot and pause of its run, so it stays small. No demo tool needs a tenth of either.
+MAX_APPROVER_TOOLS = 64
+MAX_APPROVERS_PER_TOOL = 64
+MAX_TOOL_NAME_LENGTH = 128
+
+
+def _printable_name(name: str) -> str:
+    """A name that is written into logs, Notices and checkpoints: something, and nothing a terminal acts on."""
+    if not name:
+        raise ValueError("a name must not be empty")
+    if not name.isprintable():
+        raise ValueError(f"{name!r} holds characters that are not printable")
+    return name
+
+
+def _user_name(name: str) -> str:
+    _printable_name(name)
+    if len(name.encode("utf-8")) > MAX_USER_NAME_BYTES:
+        raise ValueError(f"a RabbitMQ user name is at most {MAX_USER_NAME_BYTES} bytes")
+    return name
+
+
+# A RabbitMQ user name: the decider a decision's user_id names.
+UserName = Annotated[str, AfterValidator(_user_name)]
+ToolName = Annotated[str, Field(max_length=MAX_TOOL_NAME_LENGTH), AfterValidator(_printable_name)]
+# An empty list would read as "anyone" to some and "no one" to others: a tool whose approvals anyone in
+# scope may decide is simply left out of the map.
+Approvers = Annotated[list[UserName], Field(min_length=1, max_length=MAX_APPROVERS_PER_TOOL)]
 
 
 class ContextPolicy(Model):
@@ -118,6 +150,30 @@ class RunConfig(Model):
     # existed and decodes there as FALSE: the flag can be lost across an upgrade but never spuriously set,
     # which is the safe direction (inventing it would strip tools from a run nobody restricted).
     tools_restricted: bool = False
+    # Who may decide the approvals of each tool's calls: tool name -> RabbitMQ user names, named by the host
+    # that started the run, never by the model. Enforced by the agent loop when a call of the tool pauses
+    # for approval (``agent/loop.py``, ``schemas/answers.py`` ``call_approvers``): the call's own
+    # ``approvers`` argument may only narrow this list; a tool left out is decided by anyone who may
+    # publish for the scope, or by whom the call names. A tool that never pauses for approval has no
+    # decision for its list to restrict. The pause stores the result, and a decision from anybody else is
+    # ``forbidden``. It travels with the rest of the config in the continuation, so a resumed run's next
+    # pause is restricted exactly as its first.
+    approvers: dict[ToolName, Approvers] = Field(default_factory=dict, max_length=MAX_APPROVER_TOOLS)
+
+    @model_serializer(mode="wrap")
+    def _leave_out_no_approvers(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # A config that names no approvers is written (stored, digested) exactly as before the field
+        # existed: a start re-sent across the upgrade is still the same start (its inbox digest and its
+        # start digest), not a message_id_conflict or run_exists.
+        data = handler(self)
+        if not self.approvers and isinstance(data, dict):
+            data.pop("approvers", None)
+        return data
+
+    def approvers_for(self, tool: str) -> list[str] | None:
+        """The host's approvers for ``tool``'s calls; None when it names none (anyone in scope)."""
+        named = self.approvers.get(tool)
+        return list(named) if named is not None else None
 
     def allows_tool(self, name: str) -> bool:
         """Whether this run may call the tool ``name``."""

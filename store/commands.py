@@ -6,12 +6,12 @@ so there is one implementation of every effect. A command names its own scope (i
 consumer checked), so the command store is not bound to one.
 
 A command that answers a pause takes two round trips. The first reads, at the command's exact scope, the
-run, its live pause and what the inbox holds for the command's message_id; the command is checked against
-that pause (who may answer it, whether the answers fit). The second is the transition
-(``intermission_claim_pause_v1`` with the command's parts), pinned to the pause and revision that were
-read: a pause row never changes after the transaction that wrote it, and a run row does not change
-without its revision changing, so what was checked is exactly what is claimed. A refusal at either step
-writes nothing, not even the inbox record.
+run, its live pause and what the inbox holds for the command's message_id (a key within that scope); the
+command is checked against that pause (who may answer it, whether the answers fit). The second is the
+transition (``intermission_claim_pause_v1`` with the command's parts), pinned to the pause and revision
+that were read: a pause row never changes after the transaction that wrote it, and a run row does not
+change without its revision changing, so what was checked is exactly what is claimed. A refusal at either
+step writes nothing, not even the inbox record.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from intermission.schemas.scope import Scope, require_scope
 from intermission.schemas.suspension import ClaimVersion, Continuation, Ending, EndingKind, Progress, Suspension
 from intermission.store import outbox, rows
 from intermission.store.db import Conn, Database
-from intermission.store.inbox import AlreadyApplied, Receipt
+from intermission.store.inbox import AlreadyApplied, Receipt, inbox_arguments
 from intermission.store.resume import ResumeStore
 from intermission.store.runs import check_lease, start_in
 from intermission.store.suspensions import Decided, claim_arguments, refusal
@@ -277,9 +277,7 @@ class CommandStore:
                         app=scope.app,
                         tenant=scope.tenant,
                         ending=rows.dump(ending),
-                        message_id=receipt.message_id if receipt is not None else None,
-                        routing_key=receipt.routing_key if receipt is not None else None,
-                        digest=receipt.body_digest if receipt is not None else None,
+                        **inbox_arguments(receipt, scope),
                     )
                     assert requested is not None  # the function always returns its one row
                     outcome = requested["outcome"]
@@ -331,7 +329,7 @@ class CommandStore:
             run_id,
             scope.app,
             scope.tenant,
-            receipt.message_id if receipt is not None else None,
+            inbox_arguments(receipt, scope)["message_id"],
             checkpoint_id,
         )
         assert row is not None  # the read always returns its one row
@@ -416,7 +414,7 @@ class CommandStore:
         """
         scope = require_scope(cmd.scope)
         if receipt is not None:
-            await self._refuse_reused_message_id(receipt)
+            await self._refuse_reused_message_id(receipt, scope)
         evidence = ResumeStore(self.db, scope)
         request = ResumeAdmissionRequest(scope=scope, version=cmd.version, input=cmd.input.encode("utf-8"))
         try:
@@ -443,12 +441,13 @@ class CommandStore:
             correlation_id=correlation_id,
         )
 
-    async def _refuse_reused_message_id(self, receipt: Receipt) -> None:
-        """MessageIdConflict when ``receipt``'s message_id is recorded for a different command. Recorded for
-        this very command it is no refusal here: a reply's redelivery goes on to its admission, which it
-        finds, and to the start its first delivery may not have reached."""
+    async def _refuse_reused_message_id(self, receipt: Receipt, scope: Scope) -> None:
+        """MessageIdConflict when ``receipt``'s message_id is recorded at ``scope`` for a different command.
+        Recorded for this very command it is no refusal here: a reply's redelivery goes on to its admission,
+        which it finds, and to the start its first delivery may not have reached."""
+        message_id = receipt.arguments(scope)["message_id"]
         async with self.db.connection() as con:
-            row = await con.fetchrow("recorded_command", receipt.message_id)
+            row = await con.fetchrow("recorded_command", scope.app, scope.tenant, message_id)
         if row is not None and (row["body_digest"], row["routing_key"]) != (receipt.body_digest, receipt.routing_key):
             raise MessageIdConflict(f"message_id {receipt.message_id} was used for a different command")
 

@@ -65,7 +65,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Progress, Suspension
 from intermission.store import outbox, rows
 from intermission.store.db import Conn, Database
-from intermission.store.inbox import Receipt
+from intermission.store.inbox import Receipt, inbox_arguments
 from intermission.store.runs import end_arguments
 from intermission.store.suspensions import refusal
 
@@ -314,9 +314,7 @@ class ResumeStore:
                 request_digest=wanted,
                 # The pause as read, its transient fields left out: this binds the stored pause and nothing else.
                 suspension_digest=canonical_digest(pause) if pause is not None else None,
-                message_id=receipt.message_id if receipt is not None else None,
-                routing_key=receipt.routing_key if receipt is not None else None,
-                digest=receipt.body_digest if receipt is not None else None,
+                **inbox_arguments(receipt, self.scope),
                 **outbox.run_event(resumed, correlation_id).arguments(),
             )
         assert row is not None  # the function always returns its one row

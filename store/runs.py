@@ -33,7 +33,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, Notice, PendingCall, Progress, SuspendReason, Suspension
 from intermission.store import outbox, rows
 from intermission.store.db import Conn, Database
-from intermission.store.inbox import AlreadyApplied, Receipt
+from intermission.store.inbox import AlreadyApplied, Receipt, inbox_arguments
 
 END_STATES: dict[RunEventKind, RunState] = {
     RunEventKind.COMPLETED: RunState.COMPLETED,
@@ -194,9 +194,7 @@ async def start_in(
         lease_owner=lease.owner if lease is not None else None,
         lease_ttl=lease.ttl_seconds if lease is not None else None,
         first_continuation=rows.dump(first.continuation) if first is not None else None,
-        message_id=receipt.message_id if receipt is not None else None,
-        routing_key=receipt.routing_key if receipt is not None else None,
-        digest=receipt.body_digest if receipt is not None else None,
+        **inbox_arguments(receipt, scope),
     )
     assert row is not None  # the function always returns its one row
     outcome = row["outcome"]

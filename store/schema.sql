@@ -79,8 +79,11 @@ CREATE FUNCTION public.intermission_admit_resume_v1(p_run_id text, p_app text, p
 DECLARE
     v_claim record;
 BEGIN
-    IF p_message_id IS NOT NULL AND EXISTS (SELECT 1 FROM inbox i WHERE i.message_id = p_message_id)
-       AND intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest) = 'message_id_conflict' THEN
+    IF p_message_id IS NOT NULL
+       AND EXISTS (SELECT 1 FROM inbox i
+                    WHERE i.app = p_app AND i.tenant = p_tenant AND i.message_id = p_message_id)
+       AND intermission_recorded_command_v1(p_app, p_tenant, p_message_id, p_routing_key, p_digest)
+           = 'message_id_conflict' THEN
         outcome := 'message_id_conflict';
         RETURN;
     END IF;
@@ -213,7 +216,7 @@ BEGIN
         INSERT INTO inbox (message_id, routing_key, body_digest, outcome, app, tenant, run_id)
         SELECT p_message_id, p_routing_key, p_digest, 'applied', p_app, p_tenant, p_run_id
          WHERE p_message_id IS NOT NULL
-        ON CONFLICT (message_id) DO NOTHING
+        ON CONFLICT (app, tenant, message_id) DO NOTHING
         RETURNING 1
     ), claimed AS (
         UPDATE runs r
@@ -290,11 +293,11 @@ BEGIN
 
     IF p_message_id IS NOT NULL THEN
         IF NOT v_claim.recorded THEN
-            outcome := intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest);
+            outcome := intermission_recorded_command_v1(p_app, p_tenant, p_message_id, p_routing_key, p_digest);
             RETURN;
         END IF;
         -- Refused: nothing of this command stays, not even its inbox record.
-        DELETE FROM inbox i WHERE i.message_id = p_message_id;
+        DELETE FROM inbox i WHERE i.app = p_app AND i.tenant = p_tenant AND i.message_id = p_message_id;
     END IF;
     SELECT r.* INTO run FROM runs r WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant;
     SELECT s.* INTO pause FROM suspensions s
@@ -456,16 +459,17 @@ $$;
 
 
 --
--- Name: intermission_recorded_command_v1(text, text, text); Type: FUNCTION; Schema: public; Owner: -
+-- Name: intermission_recorded_command_v1(text, text, text, text, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.intermission_recorded_command_v1(p_message_id text, p_routing_key text, p_digest text) RETURNS text
+CREATE FUNCTION public.intermission_recorded_command_v1(p_app text, p_tenant text, p_message_id text, p_routing_key text, p_digest text) RETURNS text
     LANGUAGE plpgsql
     AS $$
 DECLARE
     v_before inbox;
 BEGIN
-    SELECT i.* INTO v_before FROM inbox i WHERE i.message_id = p_message_id;
+    SELECT i.* INTO v_before FROM inbox i
+     WHERE i.app = p_app AND i.tenant = p_tenant AND i.message_id = p_message_id;
     IF v_before.body_digest = p_digest AND v_before.routing_key = p_routing_key THEN
         RETURN 'duplicate';
     END IF;
@@ -489,7 +493,7 @@ BEGIN
         INSERT INTO inbox (message_id, routing_key, body_digest, outcome, app, tenant, run_id)
         SELECT p_message_id, p_routing_key, p_digest, 'applied', p_app, p_tenant, p_run_id
          WHERE p_message_id IS NOT NULL
-        ON CONFLICT (message_id) DO NOTHING
+        ON CONFLICT (app, tenant, message_id) DO NOTHING
         RETURNING 1
     ), asked AS (
         UPDATE runs r
@@ -514,7 +518,7 @@ BEGIN
         RETURN;
     END IF;
     IF p_message_id IS NOT NULL AND NOT v_result.recorded THEN
-        outcome := intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest);
+        outcome := intermission_recorded_command_v1(p_app, p_tenant, p_message_id, p_routing_key, p_digest);
         RETURN;
     END IF;
     SELECT r.* INTO v_run FROM runs r WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant;
@@ -527,7 +531,7 @@ BEGIN
     END;
     IF outcome <> 'ending_before' AND p_message_id IS NOT NULL THEN
         -- Refused: nothing of this command stays, not even its inbox record.
-        DELETE FROM inbox i WHERE i.message_id = p_message_id;
+        DELETE FROM inbox i WHERE i.app = p_app AND i.tenant = p_tenant AND i.message_id = p_message_id;
     END IF;
 END;
 $$;
@@ -646,7 +650,7 @@ BEGIN
         INSERT INTO inbox (message_id, routing_key, body_digest, outcome, app, tenant, run_id)
         SELECT p_message_id, p_routing_key, p_digest, 'applied', p_app, p_tenant, p_run_id
          WHERE p_message_id IS NOT NULL
-        ON CONFLICT (message_id) DO NOTHING
+        ON CONFLICT (app, tenant, message_id) DO NOTHING
         RETURNING 1
     ), created AS (
         INSERT INTO runs AS r (id, app, tenant, agent_id, input, config, script, pause_ttl_seconds, session_id,
@@ -678,7 +682,7 @@ BEGIN
         RETURN;
     END IF;
     IF p_message_id IS NOT NULL AND NOT v_result.recorded THEN
-        outcome := intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest);
+        outcome := intermission_recorded_command_v1(p_app, p_tenant, p_message_id, p_routing_key, p_digest);
         RETURN;
     END IF;
     SELECT r.* INTO run FROM runs r WHERE r.id = p_run_id;
@@ -689,7 +693,7 @@ BEGIN
     outcome := 'run_exists';
     run := NULL;
     IF p_message_id IS NOT NULL THEN
-        DELETE FROM inbox i WHERE i.message_id = p_message_id;
+        DELETE FROM inbox i WHERE i.app = p_app AND i.tenant = p_tenant AND i.message_id = p_message_id;
     END IF;
 END;
 $$;
@@ -1076,7 +1080,7 @@ ALTER TABLE ONLY public.demo_charges
 --
 
 ALTER TABLE ONLY public.inbox
-    ADD CONSTRAINT inbox_pkey PRIMARY KEY (message_id);
+    ADD CONSTRAINT inbox_pkey PRIMARY KEY (app, tenant, message_id);
 
 
 --
@@ -1362,5 +1366,6 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (2, 'resume', 'bec87437f3b4f3c9f1ec4e09e1cb39ea02256f61075392d9f207f4ff84660791'),
     (3, 'fleet', 'd37fd2f86ca1323859302ab489053e927175db81e64d637e26ca809a47c4547e'),
     (4, 'relayed_sessions', '099aaac3d98fd43c68db4f4b422a7e098b3119e04fe20285a87b98e1e5d0a999'),
-    (5, 'transitions', 'de101c2ce4bc4355e5a719bb24e545655a36af82bb38aec8dc05004643bef097'),
-    (6, 'outbox_quarantine', '3274f70940b8715bc4336dc2b6ae9d310d6feb25cc35abf201641b4d3eb90b1e');
+    (5, 'transitions', 'f489e60b924dc10782e085e6aa9c20b9d02a2bb29135496a69eab832b365e824'),
+    (6, 'outbox_quarantine', '3274f70940b8715bc4336dc2b6ae9d310d6feb25cc35abf201641b4d3eb90b1e'),
+    (7, 'inbox_per_scope', 'cb7e0cebf4787417bbd6803f9c158948bd0720531eed8655abce8b8b5f6bf89e');

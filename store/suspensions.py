@@ -32,7 +32,7 @@ from intermission.schemas.suspension import ClaimVersion, LeasedClaim, Progress,
 from intermission.store import rows
 from intermission.store import rows as _rows
 from intermission.store.db import Database
-from intermission.store.inbox import Receipt
+from intermission.store.inbox import Receipt, inbox_arguments
 from intermission.store.outbox import OutboxEvent
 
 
@@ -241,9 +241,7 @@ def claim_arguments(
         "first_ending": snapshot.get("first_ending"),
         "first_approved": snapshot.get("first_approved"),
         "drop_pause": drop_pause,
-        "message_id": receipt.message_id if receipt is not None else None,
-        "routing_key": receipt.routing_key if receipt is not None else None,
-        "digest": receipt.body_digest if receipt is not None else None,
+        **inbox_arguments(receipt, scope),
         "checkpoint_id": decision.checkpoint_id if decision is not None else None,
         "checkpoint_state": decision.state if decision is not None else None,
         "decided_by": decision.decided_by if decision is not None else None,

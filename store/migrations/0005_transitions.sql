@@ -84,14 +84,19 @@ $$;
 
 -- The inbox record of a delivered command, written FIRST, so a duplicate delivered concurrently waits on the
 -- unique index until the first commits (and is then a duplicate) or is refused (and then applies itself).
--- What a message_id that is recorded already means: 'duplicate' (the same command was applied before) or
--- 'message_id_conflict' (that message_id was used for a different command).
-CREATE FUNCTION intermission_recorded_command_v1(p_message_id text, p_routing_key text, p_digest text)
-RETURNS text LANGUAGE plpgsql AS $$
+-- The inbox is keyed by (app, tenant, message_id) (migration 0007): a message_id is an idempotency key
+-- within its scope, so every transition records, looks up and removes a record under the scope it is
+-- called at, and one tenant's command never pre-empts another's that happens to use the same id.
+-- What a message_id that is recorded already at the scope means: 'duplicate' (the same command was applied
+-- before) or 'message_id_conflict' (that message_id was used there for a different command).
+CREATE FUNCTION intermission_recorded_command_v1(
+    p_app text, p_tenant text, p_message_id text, p_routing_key text, p_digest text
+) RETURNS text LANGUAGE plpgsql AS $$
 DECLARE
     v_before inbox;
 BEGIN
-    SELECT i.* INTO v_before FROM inbox i WHERE i.message_id = p_message_id;
+    SELECT i.* INTO v_before FROM inbox i
+     WHERE i.app = p_app AND i.tenant = p_tenant AND i.message_id = p_message_id;
     IF v_before.body_digest = p_digest AND v_before.routing_key = p_routing_key THEN
         RETURN 'duplicate';
     END IF;
@@ -113,8 +118,8 @@ $$;
 -- p_lease_owner NULL claims without a lease (the original's plain claims).
 --
 -- What commits with the claim, each part only when its arguments are set:
---   p_message_id ...        the command's inbox record, written first (a message_id recorded before claims
---                           nothing: 'duplicate' or 'message_id_conflict');
+--   p_message_id ...        the command's inbox record at the claim's scope, written first (a message_id
+--                           recorded there before claims nothing: 'duplicate' or 'message_id_conflict');
 --   p_first ...             the first progress snapshot under the new lease; a NULL p_first_continuation
 --                           takes the claimed pause's own continuation;
 --   p_drop_pause            the removal of the answered pause;
@@ -158,7 +163,7 @@ BEGIN
         INSERT INTO inbox (message_id, routing_key, body_digest, outcome, app, tenant, run_id)
         SELECT p_message_id, p_routing_key, p_digest, 'applied', p_app, p_tenant, p_run_id
          WHERE p_message_id IS NOT NULL
-        ON CONFLICT (message_id) DO NOTHING
+        ON CONFLICT (app, tenant, message_id) DO NOTHING
         RETURNING 1
     ), claimed AS (
         UPDATE runs r
@@ -235,11 +240,11 @@ BEGIN
 
     IF p_message_id IS NOT NULL THEN
         IF NOT v_claim.recorded THEN
-            outcome := intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest);
+            outcome := intermission_recorded_command_v1(p_app, p_tenant, p_message_id, p_routing_key, p_digest);
             RETURN;
         END IF;
         -- Refused: nothing of this command stays, not even its inbox record.
-        DELETE FROM inbox i WHERE i.message_id = p_message_id;
+        DELETE FROM inbox i WHERE i.app = p_app AND i.tenant = p_tenant AND i.message_id = p_message_id;
     END IF;
     SELECT r.* INTO run FROM runs r WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant;
     SELECT s.* INTO pause FROM suspensions s
@@ -279,7 +284,7 @@ BEGIN
         INSERT INTO inbox (message_id, routing_key, body_digest, outcome, app, tenant, run_id)
         SELECT p_message_id, p_routing_key, p_digest, 'applied', p_app, p_tenant, p_run_id
          WHERE p_message_id IS NOT NULL
-        ON CONFLICT (message_id) DO NOTHING
+        ON CONFLICT (app, tenant, message_id) DO NOTHING
         RETURNING 1
     ), created AS (
         INSERT INTO runs AS r (id, app, tenant, agent_id, input, config, script, pause_ttl_seconds, session_id,
@@ -311,7 +316,7 @@ BEGIN
         RETURN;
     END IF;
     IF p_message_id IS NOT NULL AND NOT v_result.recorded THEN
-        outcome := intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest);
+        outcome := intermission_recorded_command_v1(p_app, p_tenant, p_message_id, p_routing_key, p_digest);
         RETURN;
     END IF;
     SELECT r.* INTO run FROM runs r WHERE r.id = p_run_id;
@@ -322,7 +327,7 @@ BEGIN
     outcome := 'run_exists';
     run := NULL;
     IF p_message_id IS NOT NULL THEN
-        DELETE FROM inbox i WHERE i.message_id = p_message_id;
+        DELETE FROM inbox i WHERE i.app = p_app AND i.tenant = p_tenant AND i.message_id = p_message_id;
     END IF;
 END;
 $$;
@@ -511,7 +516,7 @@ BEGIN
         INSERT INTO inbox (message_id, routing_key, body_digest, outcome, app, tenant, run_id)
         SELECT p_message_id, p_routing_key, p_digest, 'applied', p_app, p_tenant, p_run_id
          WHERE p_message_id IS NOT NULL
-        ON CONFLICT (message_id) DO NOTHING
+        ON CONFLICT (app, tenant, message_id) DO NOTHING
         RETURNING 1
     ), asked AS (
         UPDATE runs r
@@ -536,7 +541,7 @@ BEGIN
         RETURN;
     END IF;
     IF p_message_id IS NOT NULL AND NOT v_result.recorded THEN
-        outcome := intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest);
+        outcome := intermission_recorded_command_v1(p_app, p_tenant, p_message_id, p_routing_key, p_digest);
         RETURN;
     END IF;
     SELECT r.* INTO v_run FROM runs r WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant;
@@ -549,7 +554,7 @@ BEGIN
     END;
     IF outcome <> 'ending_before' AND p_message_id IS NOT NULL THEN
         -- Refused: nothing of this command stays, not even its inbox record.
-        DELETE FROM inbox i WHERE i.message_id = p_message_id;
+        DELETE FROM inbox i WHERE i.app = p_app AND i.tenant = p_tenant AND i.message_id = p_message_id;
     END IF;
 END;
 $$;
@@ -621,10 +626,10 @@ $$;
 -- the same pause gets that admission back the same way. Other refusals are the claim's outcomes.
 --
 -- p_message_id ... is the delivering command's inbox record (run.reply), written with the claim. A
--- message_id recorded for a DIFFERENT command is 'message_id_conflict' before anything else, even when the
--- pause was admitted since: the same id must not stand for two requests. Recorded for this very reply, it
--- is no refusal: the reply's idempotency record is its admission, and a redelivery must still be able to
--- reach the start its first delivery did not.
+-- message_id recorded at this scope for a DIFFERENT command is 'message_id_conflict' before anything else,
+-- even when the pause was admitted since: the same id must not stand for two requests. Recorded for this
+-- very reply, it is no refusal: the reply's idempotency record is its admission, and a redelivery must
+-- still be able to reach the start its first delivery did not.
 CREATE FUNCTION intermission_admit_resume_v1(
     p_run_id text, p_app text, p_tenant text, p_suspension_id bigint, p_revision bigint,
     p_lease_owner text, p_lease_ttl float8,
@@ -639,8 +644,11 @@ CREATE FUNCTION intermission_admit_resume_v1(
 DECLARE
     v_claim record;
 BEGIN
-    IF p_message_id IS NOT NULL AND EXISTS (SELECT 1 FROM inbox i WHERE i.message_id = p_message_id)
-       AND intermission_recorded_command_v1(p_message_id, p_routing_key, p_digest) = 'message_id_conflict' THEN
+    IF p_message_id IS NOT NULL
+       AND EXISTS (SELECT 1 FROM inbox i
+                    WHERE i.app = p_app AND i.tenant = p_tenant AND i.message_id = p_message_id)
+       AND intermission_recorded_command_v1(p_app, p_tenant, p_message_id, p_routing_key, p_digest)
+           = 'message_id_conflict' THEN
         outcome := 'message_id_conflict';
         RETURN;
     END IF;

@@ -1,20 +1,20 @@
 -- read_for_command --
 -- What a command is checked against before its transition, in one read at the exact scope: the run, its
--- live pause (composites, NULL when absent), what the inbox recorded for the command's message_id (i_, NULL
--- when nothing) and the state of the checkpoint a decision names (k_state, NULL when none is named or it
--- is not this run's). $1 run_id, $2 app, $3 tenant, $4 message_id (NULL: no inbox lookup), $5 checkpoint
--- id (NULL: none)
+-- live pause (composites, NULL when absent), what the inbox recorded for the command's message_id at that
+-- scope (i_, NULL when nothing: a message_id is a key within its scope, whatever other scopes used it) and
+-- the state of the checkpoint a decision names (k_state, NULL when none is named or it is not this run's).
+-- $1 run_id, $2 app, $3 tenant, $4 message_id (NULL: no inbox lookup), $5 checkpoint id (NULL: none)
 SELECT r AS run, s AS pause, i.routing_key AS i_routing_key, i.body_digest AS i_body_digest,
        i.outcome AS i_outcome, k.state AS k_state
   FROM (SELECT 1) AS one
   LEFT JOIN runs r ON r.id = $1 AND r.app = $2 AND r.tenant = $3
   LEFT JOIN suspensions s ON s.run_id = r.id AND s.app = r.app AND s.tenant = r.tenant
-  LEFT JOIN inbox i ON i.message_id = $4
+  LEFT JOIN inbox i ON i.app = $2 AND i.tenant = $3 AND i.message_id = $4
   LEFT JOIN checkpoints k ON k.id = $5::bigint AND k.run_id = r.id AND k.app = r.app AND k.tenant = r.tenant;
 
 -- recorded_command --
--- What the inbox recorded for a message_id, if anything. $1 message_id
-SELECT routing_key, body_digest, outcome FROM inbox WHERE message_id = $1;
+-- What the inbox recorded for a message_id at a scope, if anything. $1 app, $2 tenant, $3 message_id
+SELECT routing_key, body_digest, outcome FROM inbox WHERE app = $1 AND tenant = $2 AND message_id = $3;
 
 -- request_ending --
 -- A cancel of a running run (intermission_request_ending_v1): the ending recorded for its lease holder to

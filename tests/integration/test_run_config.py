@@ -195,7 +195,25 @@ async def test_the_reasoning_loop_this_product_runs_may_be_named(stores: Stores,
 
 @pytest.mark.parametrize(
     "bad",
-    [{"temperature": 2.5}, {"temperature": -0.1}, {"max_tokens": -1}, {"max_steps": -3}],
+    [
+        {"temperature": 2.5},
+        {"temperature": -0.1},
+        {"max_tokens": -1},
+        {"max_steps": -3},
+        # Approvers: RabbitMQ user names per tool, each list naming somebody (anyone is: leave the tool out).
+        {"approvers": {"send_email": []}},
+        {"approvers": {"send_email": [""]}},
+        {"approvers": {"send_email": ["a" * 256]}},
+        {"approvers": {"send_email": ["é" * 128]}},  # 128 characters, 256 bytes
+        {"approvers": {"send_email": ["alice\nbob"]}},
+        {"approvers": {"send_email": ["alice\u0000"]}},
+        {"approvers": {"": ["alice"]}},
+        {"approvers": {"send\temail": ["alice"]}},
+        {"approvers": {f"tool{i}": ["alice"] for i in range(65)}},
+        {"approvers": {"send_email": [f"user{i}" for i in range(65)]}},
+        {"approvers": {"send_email": "alice"}},
+        {"approvers": ["alice"]},
+    ],
 )
 def test_values_no_model_can_honour_are_refused_when_the_command_is_parsed(bad: dict[str, Any]) -> None:
     body = {"scope": {"app": "a", "tenant": "t"}, "run_id": "r", "agent_id": "demo", "config": bad}

@@ -6,11 +6,13 @@ import pytest
 
 from intermission.schemas.answers import (
     Source,
+    call_approvers,
     check_approver,
     check_authority,
     decision_progress,
     reply_progress,
     results_progress,
+    shared_approvers,
     validate_results,
 )
 from intermission.schemas.commands import Decision, ToolAnswer
@@ -85,10 +87,42 @@ def test_results_become_done_in_pending_order_with_outcomes() -> None:
 def test_approvers_listed_on_the_pause_decide_and_nobody_else() -> None:
     named = pause(SuspendReason.APPROVAL, approvers=["alice"])
     check_approver(named, "alice")
-    for who in ("bob", None):
+    for who in ("bob", None, ""):
         with pytest.raises(Forbidden):
             check_approver(named, who)
-    check_approver(pause(SuspendReason.APPROVAL), None)  # no approvers named: any host
+    check_approver(pause(SuspendReason.APPROVAL), "anyone")  # no approvers named: any identity in scope
+
+
+@pytest.mark.parametrize("who", [None, ""])
+def test_a_decision_without_a_user_id_is_forbidden_even_where_anyone_may_decide(who: str | None) -> None:
+    with pytest.raises(Forbidden):
+        check_approver(pause(SuspendReason.APPROVAL), who)
+
+
+@pytest.mark.parametrize(
+    ("host", "named", "deciders"),
+    [
+        (None, [], None),  # nobody named anybody: anyone in scope
+        (None, ["carol"], ["carol"]),  # no host list: the call's own list stands
+        (["alice"], [], ["alice"]),  # the call names nobody: the host's list
+        (["alice", "bob"], ["bob"], ["bob"]),  # the call narrows the host's list
+        (["alice", "bob"], ["bob", "mallory"], ["bob"]),  # ... and its outsiders are dropped
+        (["alice"], ["mallory"], ["alice"]),  # naming only outsiders neither widens nor opens the pause
+        (["alice", "alice"], ["alice", "alice"], ["alice"]),
+    ],
+)
+def test_a_calls_own_approvers_only_narrow_the_hosts(
+    host: list[str] | None, named: list[str], deciders: list[str] | None
+) -> None:
+    assert call_approvers(host, named) == deciders
+
+
+def test_a_decider_of_several_calls_must_be_one_every_call_accepts() -> None:
+    assert shared_approvers(None, None) is None
+    assert shared_approvers(None, ["alice"]) == ["alice"]
+    assert shared_approvers(["alice", "bob"], None) == ["alice", "bob"]
+    assert shared_approvers(["alice", "bob"], ["bob", "carol"]) == ["bob"]
+    assert shared_approvers(["alice"], ["bob"]) == []
 
 
 def test_decisions_become_approved_calls_or_denied_results() -> None:

@@ -11,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from intermission.schemas.base import STORED
 from intermission.schemas.config import RunConfig
+from intermission.schemas.digest import digest
 from intermission.schemas.errors import InvalidScope
 from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope, require_scope
@@ -54,6 +56,28 @@ def test_a_temperature_json_cannot_carry_is_refused() -> None:
     for bad in (math.nan, math.inf, -math.inf):
         with pytest.raises(ValidationError):
             RunConfig(temperature=bad)
+
+
+# --- RunConfig.approvers: named by the host, stored exactly, absent when empty --------------------------
+
+
+def test_approvers_survive_the_strict_stored_round_trip() -> None:
+    named = {"send_email": ["alice", "é" * 127 + "x"], "wire_money": ["bob"]}  # 255 bytes is a user name
+    cfg = RunConfig(approvers=named)
+    back = RunConfig.model_validate_json(cfg.model_dump_json(), strict=True, context=STORED)
+    assert back.approvers == named
+    assert (back.approvers_for("send_email"), back.approvers_for("lookup")) == (named["send_email"], None)
+
+
+def test_a_config_naming_no_approvers_is_written_and_digested_as_before_the_field_existed() -> None:
+    # What a start or a stored row wrote before approvers existed: the digest of a re-sent start (its inbox
+    # record, its start digest) must not change across the upgrade.
+    cfg = RunConfig(max_steps=3)
+    assert "approvers" not in cfg.model_dump()
+    assert "approvers" not in json.loads(cfg.model_dump_json())
+    before = {k: v for k, v in RunConfig(max_steps=3, approvers={"x": ["y"]}).model_dump().items() if k != "approvers"}
+    assert digest(cfg) == digest(before)
+    assert RunConfig.model_validate_json(cfg.model_dump_json()).approvers == {}
 
 
 # --- Continuation: prepared bytes byte for byte ------------------------------------------------------
