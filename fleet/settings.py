@@ -70,6 +70,10 @@ class Settings(BaseSettings):
     shutdown_grace_seconds: float = Field(default=20.0, ge=0)
     # 0 turns the Prometheus endpoint off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
+    # Where the metrics endpoint listens: loopback unless the operator says otherwise (in a container,
+    # 0.0.0.0 with the port published on the host's loopback), since it tells anyone who reads it about
+    # every tenant's traffic.
+    metrics_host: str = "127.0.0.1"
     # "module:attribute" of the executor factory; the default is the agent loop with the scripted model.
     executor: str = "intermission.agent.loop:default_executor"
     log_level: str = "INFO"

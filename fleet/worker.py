@@ -125,7 +125,7 @@ async def running_worker(
         )
         consumers = CommandConsumers(policy, topology.queues, in_flight_limit=settings.commands_in_flight)
         relay_stop = asyncio.Event()
-        metrics.serve(settings.metrics_port)
+        metrics.serve(settings.metrics_port, settings.metrics_host)
         await fleet.start()
         supervisor.start(RELAY_TASK, lambda: relay.serve(relay_stop))
         await consumers.start()

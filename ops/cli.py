@@ -346,6 +346,30 @@ def _print_scopes(user: str, scopes: list[Scope]) -> None:
     click.echo(f"{user}: {', '.join(str(s) for s in scopes) if scopes else 'no scope'}")
 
 
+@main.group("users")
+def users_group() -> None:
+    """RabbitMQ users for hosts and for the fleet's own identities."""
+
+
+@users_group.command("add")
+@click.argument("user")
+@click.option("--password", prompt=True, hide_input=True, confirmation_prompt=True, help="asked for when not given")
+@click.option("--trusted", is_flag=True, help="every scope: for workers, sweepers and the bus, never a host")
+def users_add_command(user: str, password: str, trusted: bool) -> None:
+    """Create the RabbitMQ user USER with no rights (a host, to be granted scopes with `grant`), or with
+    every right (--trusted). An existing user gets the new password and keeps its rights, unless --trusted."""
+    settings = load_settings()
+
+    async def run(grants: BrokerGrants) -> None:
+        created = await grants.add_user(user, password)
+        if trusted:
+            await grants.trust(user)
+        rights = "every scope" if trusted else "no scope yet (intermission grant)"
+        click.echo(f"{'created' if created else 'updated'} {user}: {rights}")
+
+    run_or_exit("users add", _with_grants(settings, run))
+
+
 @main.command("grant")
 @click.argument("user")
 @click.option("--app", required=True)

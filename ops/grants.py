@@ -222,6 +222,22 @@ class BrokerGrants:
                 raise ManagementError(f"closing {user}'s connection: {response.status_code} {response.text[:300]}")
         return len(names)
 
+    async def add_user(self, user: str, password: str) -> bool:
+        """Create ``user`` with ``password`` and no permissions (or set the password of an existing one,
+        leaving its permissions as they are); returns whether it was created."""
+        existed = (await self._client.get(self._path("users", user))).status_code == 200
+        await self._request("PUT", self._path("users", user), {"password": password, "tags": ""})
+        return not existed
+
+    async def trust(self, user: str) -> None:
+        """Give ``user`` every right on this vhost and every scope (no topic permissions): for the fleet's
+        own identities (workers, sweepers, the bus), never for a host."""
+        await self._require_user(user)
+        await self._request("DELETE", self._path("topic-permissions", self.vhost, user))
+        await self._request(
+            "PUT", self._path("permissions", self.vhost, user), {"configure": ".*", "write": ".*", "read": ".*"}
+        )
+
     async def _require_user(self, user: str) -> None:
         response = await self._client.get(self._path("users", user))
         if response.status_code == 404:

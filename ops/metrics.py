@@ -88,6 +88,6 @@ class WorkerMetrics:
     def command(self, command: Command, outcome: str, code: str) -> None:
         self.commands.labels(command.value, outcome, code).inc()
 
-    def serve(self, port: int) -> None:
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
         if port:
-            start_http_server(port, registry=self.registry)
+            start_http_server(port, addr=host, registry=self.registry)

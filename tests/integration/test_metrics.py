@@ -16,7 +16,7 @@ from intermission.schemas.script import ScriptTurn
 from intermission.store import Stores
 from tests.support.amqp import DELIVERY_LIMIT, Broker, Vhost
 from tests.support.fleet import fast_settings
-from tests.support.metrics import free_port, samples, scrape
+from tests.support.metrics import free_port, listening_addresses, samples, scrape
 from tests.support.waiting import eventually
 
 
@@ -59,3 +59,5 @@ async def test_a_worker_counts_commands_and_runs(
         assert values[("intermission_runs_left_total", (("how", "paused"),))] == 1
         # The run paused, so nothing runs here any more; the gauge says so (it is not merely present).
         assert values[("intermission_runs_running", ())] == 0
+        # Only this machine can read it, unless INTERMISSION_METRICS_HOST says otherwise.
+        assert listening_addresses(port) == {"127.0.0.1"}

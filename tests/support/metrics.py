@@ -28,3 +28,16 @@ def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         body: bytes = response.read()
         return body.decode()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The IPv4 addresses a socket of this machine listens on at ``port`` (Linux's /proc/net/tcp)."""
+    found: set[str] = set()
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+    return found
