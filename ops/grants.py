@@ -209,7 +209,31 @@ class BrokerGrants:
         scopes = [s for s in await self.scopes(user) if s != scope]
         await self.set_scopes(user, scopes)
         await self.disconnect(user, reason=f"intermission revoke: {scope} was revoked")
+        await self.unbind(user, scope)
         return scopes
+
+    async def unbind(self, user: str, scope: Scope) -> int:
+        """Remove the bindings of ``scope``'s events to ``user``'s queues; returns how many there were.
+        RabbitMQ checks a topic read permission when a binding is made, never again: without this, a
+        durable subscription queue made before a revocation would go on receiving the revoked tenant's
+        events."""
+        response = await self._request(
+            "GET", self._path("exchanges", self.vhost, EVENTS_EXCHANGE, "bindings", "source")
+        )
+        suffix = f".{scope.routing_suffix()}"
+        doomed = [
+            b
+            for b in response.json()
+            if b.get("destination_type") == "queue"
+            and str(b.get("destination", "")).startswith(f"{user}.")
+            and str(b.get("routing_key", "")).endswith(suffix)
+        ]
+        for b in doomed:
+            path = self._path(
+                "bindings", self.vhost, "e", EVENTS_EXCHANGE, "q", str(b["destination"]), str(b["properties_key"])
+            )
+            await self._request("DELETE", path)
+        return len(doomed)
 
     async def disconnect(self, user: str, *, reason: str) -> int:
         """Close every connection ``user`` has open to this vhost; returns how many there were."""

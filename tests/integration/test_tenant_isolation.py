@@ -239,6 +239,11 @@ async def test_revoke_takes_a_scope_away_at_once_and_leaves_the_others(
         early = await aio_pika.connect_robust(amqp_vhost.url(user), client_properties={"connection_name": "early"})
         client = HostClient(early, user_id=user.name)
         await client.cancel(CancelCommand(scope=other_scope, run_id="run-1"))
+        # And a durable subscription to the scope about to go, whose queue outlives the connection.
+        async with client.subscribe(other_scope):
+            pass
+        queue = f"{user.name}.{other_scope.app}.{other_scope.tenant}"
+        assert await confiner.event_bindings(queue), "the subscription bound its queue"
 
         async def listed() -> bool:
             return bool(await confiner.connections_of(user.name))
@@ -251,6 +256,8 @@ async def test_revoke_takes_a_scope_away_at_once_and_leaves_the_others(
             return early.is_closed or not early.connected.is_set()
 
         await eventually(gone, within=WAIT, what="the early connection closed")
+        # Its queue hears nothing more of the revoked scope: a binding is never checked again by the broker.
+        assert await confiner.event_bindings(queue) == []
         await client.close()
         await early.close()
     finally:

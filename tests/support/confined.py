@@ -22,6 +22,7 @@ from yarl import URL
 
 from intermission.ops.grants import BrokerGrants
 from intermission.schemas.scope import Scope
+from intermission.wire import EVENTS_EXCHANGE
 from tests.support.amqp import AmqpUser, Broker, Vhost
 
 DEFAULT_MANAGEMENT_URL = "http://127.0.0.1:15672"
@@ -76,6 +77,14 @@ class Confiner:
         response = await self.http.get(f"/api/vhosts/{quote(self.vhost.name, safe='')}/connections")
         response.raise_for_status()
         return [str(c["name"]) for c in response.json() if c.get("user") == user]
+
+    async def event_bindings(self, queue: str) -> list[str]:
+        """The routing keys binding ``queue`` to intermission.events."""
+        response = await self.http.get(
+            f"/api/queues/{quote(self.vhost.name, safe='')}/{quote(queue, safe='')}/bindings"
+        )
+        response.raise_for_status()
+        return sorted(str(b["routing_key"]) for b in response.json() if b.get("source") == EVENTS_EXCHANGE)
 
     async def exchange_type(self, name: str) -> str | None:
         response = await self.http.get(f"/api/exchanges/{quote(self.vhost.name, safe='')}/{quote(name, safe='')}")
