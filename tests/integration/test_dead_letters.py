@@ -17,8 +17,8 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import Notice
 from intermission.store import Stores
-from intermission.wire import DEAD_EXCHANGE, ERROR_HEADER, SCHEMA_VERSION_HEADER, Command
-from tests.support.amqp import Broker, ConnectionFactory, Vhost
+from intermission.wire import COMMANDS_EXCHANGE, DEAD_EXCHANGE, ERROR_HEADER, SCHEMA_VERSION_HEADER, Command
+from tests.support.amqp import Broker, CaptureFactory, ConnectionFactory, Vhost
 from tests.support.waiting import eventually
 
 
@@ -30,6 +30,7 @@ async def test_dead_letters_are_listed_in_place_and_replayed_once_fixed(
     amqp_vhost: Vhost,
     rabbit: Broker,
     amqp_connect: ConnectionFactory,
+    capture: CaptureFactory,
 ) -> None:
     run_id = f"run-{uuid.uuid4().hex[:8]}"
     async with await HostClient.connect(amqp_vhost.url(rabbit.host)) as host, host.subscribe(scope) as events:
@@ -82,8 +83,12 @@ async def test_dead_letters_are_listed_in_place_and_replayed_once_fixed(
         }
         assert {d.message_id for d in await list_dead(connection)} == {kept_failing, refused}  # nothing was taken
 
+        sent = await capture(amqp_url, COMMANDS_EXCHANGE, Command.RESUME.binding)
         replayed = await replay_dead(connection, lambda d: d.code == "delivery_limit")
         assert [d.message_id for d in replayed] == [kept_failing]
+        # It died under the bare key of an older host; it goes back keyed by its body's scope.
+        (again,) = await sent.wait_ids({kept_failing})
+        assert again.routing_key == again.type == Command.RESUME.key(scope)
 
         async def completed() -> bool:
             return (await stores.at(scope).runs.get_run(run_id)).state is RunState.COMPLETED

@@ -303,3 +303,32 @@ async def test_the_rabbitmqctl_lines_grant_the_same_permissions(
         amqp_vhost.url(by_hand), COMMANDS_EXCHANGE, Command.START.key(other_scope), amqp_connect
     )
     assert "ACCESS_REFUSED" in answer
+
+
+async def test_two_tenants_using_one_message_id_send_two_commands(
+    worker: Worker, stores: Stores, amqp_vhost: Vhost, confiner: Confiner, scope: Scope, other_scope: Scope
+) -> None:
+    # Message ids are idempotency keys within a scope: one tenant cannot pre-empt another's ids.
+    shared = f"start-{uuid.uuid4()}"
+    starts = {s: start(s, {"say": f"done in {s.tenant}"}) for s in (scope, other_scope)}
+    for s, command in starts.items():
+        user = await confiner.confined(s)
+        async with await HostClient.connect(amqp_vhost.url(user), name=f"host of {s}") as host:
+            assert await host.start(command, message_id=shared) == shared
+
+    async def both_recorded() -> bool:
+        async with stores.db.connection() as con:
+            rows = await con.raw.fetch(
+                "SELECT app, tenant, run_id FROM inbox WHERE message_id = $1 ORDER BY tenant", shared
+            )
+        return len(rows) == 2
+
+    await eventually(both_recorded, within=WAIT, what="both starts recorded")
+    for s, command in starts.items():
+
+        async def completed(s: Scope = s, run_id: str = command.run_id) -> bool:
+            return (await stores.at(s).runs.get_run(run_id)).state is RunState.COMPLETED
+
+        await eventually(completed, within=WAIT, what=f"{s}'s run completed")
+        run = await stores.at(s).runs.get_run(command.run_id)
+        assert run.output == f"done in {s.tenant}"
