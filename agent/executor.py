@@ -31,6 +31,9 @@ from intermission.schemas.suspension import Continuation, Progress, ProgressResu
 from intermission.store import Stores
 from intermission.store.runs import EndingRequested, Pause, Paused
 
+# The most session messages a run loads unless the fleet says otherwise (Settings.session_history_messages).
+DEFAULT_HISTORY_MESSAGES = 200
+
 # How each ending ends a run, and its error when the ending names no reason.
 ENDINGS: dict[EndingKind, tuple[RunEventKind, str]] = {
     EndingKind.CANCEL: (RunEventKind.CANCELLED, "cancelled"),
@@ -68,7 +71,17 @@ class RunHandle:
 
 
 class RunContext:
-    __slots__ = ("_ledger", "_stopping", "_store", "correlation_id", "handle", "lease", "progress", "run")
+    __slots__ = (
+        "_history_limit",
+        "_ledger",
+        "_stopping",
+        "_store",
+        "correlation_id",
+        "handle",
+        "lease",
+        "progress",
+        "run",
+    )
 
     def __init__(
         self,
@@ -80,6 +93,7 @@ class RunContext:
         correlation_id: str | None,
         stopping: asyncio.Event,
         handle: RunHandle | None = None,
+        history_limit: int = DEFAULT_HISTORY_MESSAGES,
     ) -> None:
         # Every write after the claim uses the run's STORED scope, never the caller's.
         self._store = stores.at(run.scope)
@@ -90,6 +104,7 @@ class RunContext:
         self.correlation_id = correlation_id
         self._stopping = stopping
         self.handle = handle or RunHandle()
+        self._history_limit = history_limit
 
     @property
     def scope(self) -> Scope:
@@ -211,8 +226,12 @@ class RunContext:
         await self.end(kind, error=ending.reason or default, own_messages=own, continuation=cont)
         raise EndedOnRequest(ending)
 
-    async def load_history(self, session_id: str) -> list[Message]:
-        return await self._store.sessions.load(session_id)
+    async def load_history(self, session_id: str, *, most: int | None = None) -> list[Message]:
+        """The session's most recent messages, at most ``most`` of them (and never more than the fleet's
+        ``INTERMISSION_SESSION_HISTORY_MESSAGES``), oldest first, never opening on a tool result whose call
+        was cut off: a run's snapshot holds its history, so the history it loads is bounded."""
+        limit = self._history_limit if most is None else max(1, min(most, self._history_limit))
+        return await self._store.sessions.load(session_id, most=limit)
 
     def tool_env(self, call_id: str) -> ToolEnv:
         """What a tool handler of this run may use for the call ``call_id``."""

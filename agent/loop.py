@@ -198,7 +198,9 @@ class AgentLoop:
         takes the run over before its first turn is saved does exactly this again, which costs a read."""
         base = ctx.progress.continuation
         session_id = base.session_id or ctx.run.session_id or ctx.run.id
-        history = await ctx.load_history(session_id)
+        # The model is never shown more than its window, so more history than that is never loaded.
+        window = base.config.context.max_messages if base.config.context is not None else 0
+        history = await ctx.load_history(session_id, most=window or None)
         cont = base.model_copy(
             update={
                 "messages": [*history, Message(role=Role.USER, content=ctx.run.input)],

@@ -131,6 +131,7 @@ class Fleet:
             correlation_id=claimed.correlation_id,
             stopping=self._stopping,
             handle=handle,
+            history_limit=self.settings.session_history_messages,
         )
         me = asyncio.current_task()
         assert me is not None

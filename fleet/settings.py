@@ -68,6 +68,27 @@ class Settings(BaseSettings):
     # step over the default 32 steps.
     max_tool_calls: int = Field(default=256, ge=1)
     shutdown_grace_seconds: float = Field(default=20.0, ge=0)
+    # Retention (store/migrations/0008_retention.sql, store/retention.py). An ended run and everything
+    # about it is kept this long after it ended; paused and running runs are never pruned.
+    retention_seconds: float = Field(default=30 * 86400.0, gt=0)
+    # The idempotency window: a command re-sent after its inbox record is this old is a NEW command.
+    inbox_retention_seconds: float = Field(default=7 * 86400.0, gt=0)
+    # Sent events; a subscriber deduplicates by message_id, so nothing reads a sent row but an operator.
+    outbox_retention_seconds: float = Field(default=300.0, gt=0)
+    # A session's messages, unless a live run of that session may still read them.
+    session_retention_seconds: float = Field(default=30 * 86400.0, gt=0)
+    # The most messages of its session a run loads (the most recent ones): a run's snapshot holds its
+    # history, and must not grow with the age of its session. A run's context.max_messages, when set and
+    # smaller, bounds it further.
+    session_history_messages: int = Field(default=200, ge=1, le=100_000)
+    # The sweeper prunes every interval (0: never; `intermission prune` still does on demand), in batches,
+    # deleting at most prune_max_rows_per_second so that it never takes the claims' CPU.
+    prune_interval_seconds: float = Field(default=60.0, ge=0)
+    prune_batch: int = Field(default=500, ge=1, le=100_000)
+    prune_max_rows_per_second: float = Field(default=5000.0, gt=0)
+    # A cap on intermission.dead (0: none). With it the queue refuses new dead letters when full
+    # (reject-publish) rather than drop old ones; fixed when the queue is first declared.
+    dead_max_length: int = Field(default=0, ge=0)
     # 0 turns the Prometheus endpoint off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
     # Where the metrics endpoint listens: loopback unless the operator says otherwise (in a container,

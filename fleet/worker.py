@@ -26,11 +26,12 @@ from intermission.consumers.policy import AckPolicy, CommandLimits
 from intermission.consumers.rejection import Rejecter
 from intermission.consumers.service import CommandConsumers
 from intermission.fleet import points
+from intermission.fleet.pruning import PRUNER_TASK, PruneLoop
 from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.signals import stop_on_signals
 from intermission.fleet.supervisor import SupervisedTaskFailed, Supervisor
-from intermission.ops.metrics import WorkerMetrics
+from intermission.ops.metrics import SweeperMetrics, WorkerMetrics
 from intermission.publishers.amqp import connect
 from intermission.publishers.relay import OutboxRelay
 from intermission.publishers.sweeper import ExpirySweeper
@@ -85,7 +86,9 @@ async def running_worker(
     try:
         channel = await connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=settings.prefetch)
-        topology = await declare(channel, delivery_limit=settings.delivery_limit)
+        topology = await declare(
+            channel, delivery_limit=settings.delivery_limit, dead_max_length=settings.dead_max_length
+        )
         relay = OutboxRelay(
             stores.db,
             connection,
@@ -195,13 +198,14 @@ def settle_garbage_collector() -> None:
 
 
 async def sweep(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    """Run the expiry sweeper until SIGTERM/SIGINT: any number of sweepers may run at once."""
+    """Run the expiry sweeper and the retention pruner until SIGTERM/SIGINT: any number of sweepers may run
+    at once."""
     stop = stop or asyncio.Event()
     stores = await Stores.connect(settings.database_url, max_size=2)
     connection = await connect(settings.amqp_url, "intermission-sweeper")
     try:
         channel = await connection.channel()
-        await declare(channel, delivery_limit=settings.delivery_limit)
+        await declare(channel, delivery_limit=settings.delivery_limit, dead_max_length=settings.dead_max_length)
         await channel.close()
         sweeper = ExpirySweeper(
             stores.db,
@@ -210,10 +214,14 @@ async def sweep(settings: Settings, stop: asyncio.Event | None = None) -> None:
             batch=settings.sweep_batch,
             max_rate=settings.sweep_max_rate,
         )
-        supervisor = Supervisor()
+        metrics = SweeperMetrics()
+        metrics.serve(settings.metrics_port, settings.metrics_host)
+        pruning = PruneLoop(stores.db, connection, settings, metrics)
+        supervisor = Supervisor(on_restart=lambda task: metrics.task_restarts.labels(task).inc())
         with stop_on_signals(stop):
             log.info("sweeper started", extra={"action": "sweeper_started"})
             supervisor.start(SWEEPER_TASK, lambda: sweeper.serve(stop))
+            supervisor.start(PRUNER_TASK, lambda: pruning.serve(stop))
             failure = await until_stopped(stop, supervisor)
             stop.set()
             await supervisor.stop(settings.shutdown_grace_seconds)

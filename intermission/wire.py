@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from enum import StrEnum
 from typing import Any, Final, Protocol
@@ -304,6 +304,8 @@ def dead_copy(
         message_id=message_id,
         correlation_id=correlation_id,
         type=routing_key,
+        # When it was refused: what the dead-letter queue's age is measured by.
+        timestamp=datetime.now(UTC),
         headers={
             **{k: wire_safe(v) for k, v in headers.items() if isinstance(k, str)},
             ERROR_HEADER: code,
@@ -398,13 +400,23 @@ def command_queue_arguments(delivery_limit: int) -> dict[str, Any]:
     }
 
 
-async def declare(channel: AbstractChannel, *, delivery_limit: int) -> Topology:
+def dead_queue_arguments(max_length: int) -> dict[str, Any]:
+    arguments: dict[str, Any] = {"x-queue-type": "quorum"}
+    if max_length:
+        # Full, it refuses new dead letters rather than drop the oldest: a refusal the broker will not take
+        # is retried and its command stays in its own queue (consumers/policy.py), so nothing is lost, at
+        # the price of commands waiting until an operator empties the dead-letter queue.
+        arguments.update({"x-max-length": max_length, "x-overflow": "reject-publish"})
+    return arguments
+
+
+async def declare(channel: AbstractChannel, *, delivery_limit: int, dead_max_length: int = 0) -> Topology:
     """Declare the whole topology, idempotently. Queue arguments are fixed when a queue is first declared:
-    a changed ``delivery_limit`` needs the queues re-created."""
+    a changed ``delivery_limit`` or ``dead_max_length`` needs the queues re-created (or a policy)."""
     commands = await declare_commands_exchange(channel)
     events = await channel.declare_exchange(EVENTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
     dead = await channel.declare_exchange(DEAD_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
-    dead_queue = await channel.declare_queue(DEAD_QUEUE, durable=True, arguments={"x-queue-type": "quorum"})
+    dead_queue = await channel.declare_queue(DEAD_QUEUE, durable=True, arguments=dead_queue_arguments(dead_max_length))
     await dead_queue.bind(dead)
     queues: dict[Command, AbstractQueue] = {}
     for command, name in COMMAND_QUEUES.items():
@@ -414,7 +426,7 @@ async def declare(channel: AbstractChannel, *, delivery_limit: int) -> Topology:
     return Topology(commands=commands, events=events, dead=dead, dead_queue=dead_queue, queues=queues)
 
 
-async def upgrade(connection: AbstractConnection, *, delivery_limit: int) -> bool:
+async def upgrade(connection: AbstractConnection, *, delivery_limit: int, dead_max_length: int = 0) -> bool:
     """Convert a broker's direct ``intermission.commands`` into the topic exchange of scoped routing, and
     declare the rest of the topology; returns whether there was anything to convert.
 
@@ -437,7 +449,7 @@ async def upgrade(connection: AbstractConnection, *, delivery_limit: int) -> boo
     try:
         if outdated:
             await channel.exchange_delete(COMMANDS_EXCHANGE)
-        await declare(channel, delivery_limit=delivery_limit)
+        await declare(channel, delivery_limit=delivery_limit, dead_max_length=dead_max_length)
     finally:
         await channel.close()
     return outdated

@@ -148,13 +148,44 @@ def topology_upgrade_command() -> None:
     settings = load_settings()
 
     async def run(connection: AbstractRobustConnection) -> bool:
-        return await upgrade(connection, delivery_limit=settings.delivery_limit)
+        return await upgrade(
+            connection, delivery_limit=settings.delivery_limit, dead_max_length=settings.dead_max_length
+        )
 
     converted = run_or_exit("topology upgrade", on_broker(settings, run))
     if converted:
         click.echo(f"converted {COMMANDS_EXCHANGE} to a topic exchange; the command queues kept their messages")
     else:
         click.echo("the topology is up to date")
+
+
+@main.command("prune")
+@click.option("--dry-run", is_flag=True, help="count what is past retention, removing nothing")
+def prune_command(dry_run: bool) -> None:
+    """Remove what is past retention now (the sweeper does it every INTERMISSION_PRUNE_INTERVAL_SECONDS):
+    ended runs with everything about them, old inbox records, sent events, old session messages."""
+    settings = load_settings()
+    from intermission.fleet.pruning import pruner_for
+
+    async def run() -> dict[str, int]:
+        stores = await Stores.connect(settings.database_url, max_size=2)
+        try:
+            pruner = pruner_for(stores.db, settings)
+            due = await pruner.prunable()
+            if dry_run:
+                return due
+            with click.progressbar(length=sum(due.values()), label="pruning", file=sys.stderr) as bar:
+                return await pruner.prune(on_batch=lambda kept, counts: bar.update(sum(counts.values())))
+        finally:
+            await stores.close()
+
+    counts = run_or_exit("prune", run())
+    verb = "would remove" if dry_run else "removed"
+    for table in sorted(counts):
+        if counts[table] or dry_run:
+            click.echo(f"{table:<20} {verb} {counts[table]}")
+    if not any(counts.values()):
+        click.echo("nothing is past retention")
 
 
 @main.group("runs")
@@ -232,13 +263,16 @@ def dead_group() -> None:
 def dead_list(limit: int) -> None:
     """What is in intermission.dead, and why; nothing is taken out."""
     settings = load_settings()
-    from intermission.ops.dead import list_dead
+    from intermission.ops.dead import dead_stats, list_dead
 
     async def run() -> None:
+        stats = await on_broker(settings, dead_stats)
         letters = await on_broker(settings, lambda connection: list_dead(connection, limit))
         for letter in letters:
-            click.echo(f"{letter.message_id or '-':<40} {letter.routing_key:<11} {letter.code:<28} {letter.detail}")
-        click.echo(f"{len(letters)} dead-lettered command(s)")
+            click.echo(f"{letter.message_id or '-':<40} {letter.routing_key:<24} {letter.code:<28} {letter.detail}")
+        oldest = f", the oldest dead-lettered {stats.oldest_seconds:.0f} s ago" if stats.oldest_seconds else ""
+        shown = f" ({len(letters)} shown)" if len(letters) < stats.depth else ""
+        click.echo(f"{stats.depth} dead-lettered command(s){shown}{oldest}")
 
     run_or_exit("dead list", run())
 

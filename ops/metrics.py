@@ -91,3 +91,65 @@ class WorkerMetrics:
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         if port:
             start_http_server(port, addr=host, registry=self.registry)
+
+
+class SweeperMetrics:
+    """What a sweeper process reports: its pruning, the storage it keeps bounded, and the dead letters."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.pruned = Counter(
+            "intermission_rows_pruned_total",
+            "Rows removed by retention pruning in this process, by table.",
+            ["table"],
+            registry=self.registry,
+        )
+        self.table_bytes = Gauge(
+            "intermission_table_bytes",
+            "Size on disk of each of Intermission's tables with its indexes and TOAST.",
+            ["table"],
+            registry=self.registry,
+        )
+        self.table_rows = Gauge(
+            "intermission_table_rows",
+            "Live rows of each table (PostgreSQL's statistics' estimate).",
+            ["table"],
+            registry=self.registry,
+        )
+        self.oldest_ended_run = Gauge(
+            "intermission_oldest_ended_run_seconds",
+            "How long ago the oldest ended run still kept ended: above INTERMISSION_RETENTION_SECONDS (plus"
+            " a prune interval), pruning is falling behind.",
+            registry=self.registry,
+        )
+        self.idempotency_window = Gauge(
+            "intermission_idempotency_window_seconds",
+            "The idempotency window (INTERMISSION_INBOX_RETENTION_SECONDS): a command re-sent after it is a new"
+            " command.",
+            registry=self.registry,
+        )
+        self.oldest_inbox = Gauge(
+            "intermission_inbox_oldest_seconds",
+            "Age of the oldest inbox record: the idempotency window as it is kept.",
+            registry=self.registry,
+        )
+        self.dead_letters = Gauge(
+            "intermission_dead_letters",
+            "Messages in intermission.dead.",
+            registry=self.registry,
+        )
+        self.dead_letter_age = Gauge(
+            "intermission_dead_letter_oldest_seconds",
+            "Age of the oldest message in intermission.dead (0 when it is empty).",
+            registry=self.registry,
+        )
+        self.task_restarts = Counter(
+            "intermission_task_restarts_total",
+            "Background tasks (sweeper, pruner) restarted after an unexpected error.",
+            ["task"],
+            registry=self.registry,
+        )
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        if port:
+            start_http_server(port, addr=host, registry=self.registry)

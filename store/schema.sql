@@ -174,7 +174,8 @@ CREATE TABLE public.runs (
     CONSTRAINT runs_pause_ttl_seconds_check CHECK ((pause_ttl_seconds >= 0)),
     CONSTRAINT runs_tenant_check CHECK ((tenant ~ '^[A-Za-z0-9_-]{1,64}$'::text)),
     CONSTRAINT runs_whole_lease CHECK (((lease_owner IS NULL) = (lease_expires_at IS NULL)))
-);
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.05');
 
 
 --
@@ -459,6 +460,53 @@ $$;
 
 
 --
+-- Name: intermission_prune_runs_v1(timestamp with time zone, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_prune_runs_v1(p_ended_before timestamp with time zone, p_limit integer) RETURNS jsonb
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_ids text[];
+    v_counts jsonb := '{}';
+    v_n bigint;
+BEGIN
+    SELECT coalesce(array_agg(r.id), '{}') INTO v_ids
+      FROM (SELECT r.id FROM runs r
+             WHERE r.ended_at IS NOT NULL AND r.ended_at < p_ended_before
+               AND r.state IN ('completed', 'failed', 'cancelled')
+             ORDER BY r.ended_at
+             LIMIT p_limit
+               FOR UPDATE SKIP LOCKED) r;
+    IF cardinality(v_ids) = 0 THEN
+        RETURN v_counts;
+    END IF;
+    DELETE FROM suspensions WHERE run_id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('suspensions', v_n);
+    DELETE FROM checkpoints WHERE run_id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('checkpoints', v_n);
+    DELETE FROM progress WHERE run_id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('progress', v_n);
+    DELETE FROM resume_admissions WHERE run_id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_admissions', v_n);
+    DELETE FROM resume_starts WHERE run_id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_starts', v_n);
+    DELETE FROM resume_expiries WHERE run_id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_expiries', v_n);
+    DELETE FROM resume_closures WHERE run_id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_closures', v_n);
+    DELETE FROM run_events WHERE run_id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('run_events', v_n);
+    DELETE FROM demo_charges WHERE run_id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('demo_charges', v_n);
+    DELETE FROM runs WHERE id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('runs', v_n);
+    RETURN v_counts;
+END;
+$$;
+
+
+--
 -- Name: intermission_recorded_command_v1(text, text, text, text, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -715,7 +763,8 @@ CREATE TABLE public.progress (
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     approved jsonb DEFAULT '[]'::jsonb NOT NULL,
     CONSTRAINT progress_owner_check CHECK ((owner <> ''::text))
-);
+)
+WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.02');
 
 
 --
@@ -883,7 +932,8 @@ CREATE TABLE public.inbox (
     tenant text NOT NULL,
     run_id text,
     recorded_at timestamp with time zone DEFAULT now() NOT NULL
-);
+)
+WITH (autovacuum_vacuum_scale_factor='0.05');
 
 
 --
@@ -906,7 +956,8 @@ CREATE TABLE public.outbox (
     next_attempt_at timestamp with time zone,
     quarantined_at timestamp with time zone,
     last_error text
-);
+)
+WITH (autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_insert_scale_factor='0.05');
 
 
 --
@@ -1218,6 +1269,13 @@ CREATE INDEX demo_charges_by_call ON public.demo_charges USING btree (run_id, ca
 
 
 --
+-- Name: inbox_by_age; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX inbox_by_age ON public.inbox USING btree (recorded_at);
+
+
+--
 -- Name: outbox_by_run; Type: INDEX; Schema: public; Owner: -
 --
 
@@ -1229,6 +1287,13 @@ CREATE INDEX outbox_by_run ON public.outbox USING btree (run_id, id);
 --
 
 CREATE INDEX outbox_quarantined ON public.outbox USING btree (id) WHERE (quarantined_at IS NOT NULL);
+
+
+--
+-- Name: outbox_sent_by_age; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX outbox_sent_by_age ON public.outbox USING btree (sent_at) WHERE (sent_at IS NOT NULL);
 
 
 --
@@ -1260,10 +1325,31 @@ CREATE INDEX runs_by_scope ON public.runs USING btree (app, tenant, id);
 
 
 --
--- Name: runs_running_by_lease; Type: INDEX; Schema: public; Owner: -
+-- Name: runs_ended_by_age; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX runs_running_by_lease ON public.runs USING btree (lease_expires_at) WHERE (state = 'running'::public.run_state);
+CREATE INDEX runs_ended_by_age ON public.runs USING btree (ended_at) WHERE (ended_at IS NOT NULL);
+
+
+--
+-- Name: runs_live_by_session; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX runs_live_by_session ON public.runs USING btree (app, tenant, session_id) WHERE (state = ANY (ARRAY['created'::public.run_state, 'running'::public.run_state, 'paused'::public.run_state]));
+
+
+--
+-- Name: runs_running; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX runs_running ON public.runs USING btree (id) WHERE (state = 'running'::public.run_state);
+
+
+--
+-- Name: session_messages_by_age; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX session_messages_by_age ON public.session_messages USING btree (created_at);
 
 
 --
@@ -1368,4 +1454,5 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (4, 'relayed_sessions', '099aaac3d98fd43c68db4f4b422a7e098b3119e04fe20285a87b98e1e5d0a999'),
     (5, 'transitions', 'f489e60b924dc10782e085e6aa9c20b9d02a2bb29135496a69eab832b365e824'),
     (6, 'outbox_quarantine', '3274f70940b8715bc4336dc2b6ae9d310d6feb25cc35abf201641b4d3eb90b1e'),
-    (7, 'inbox_per_scope', 'cb7e0cebf4787417bbd6803f9c158948bd0720531eed8655abce8b8b5f6bf89e');
+    (7, 'inbox_per_scope', 'cb7e0cebf4787417bbd6803f9c158948bd0720531eed8655abce8b8b5f6bf89e'),
+    (8, 'retention', '98eed31b5e2d48fa56a21f5104e4700becb0c9de53db3d2c0e862172c2d9a54a');

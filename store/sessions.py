@@ -3,7 +3,7 @@ append is part of the end transition)."""
 
 from __future__ import annotations
 
-from intermission.schemas.llm import Message
+from intermission.schemas.llm import Message, Role
 from intermission.schemas.scope import Scope
 from intermission.store.db import Database
 from intermission.store.rows import load_model
@@ -14,8 +14,14 @@ class SessionStore:
         self.db = db
         self.scope = scope
 
-    async def load(self, session_id: str) -> list[Message]:
-        """The session's messages in order, at this exact scope."""
+    async def load(self, session_id: str, *, most: int = 1_000_000) -> list[Message]:
+        """The session's most recent messages (at most ``most``) in order, at this exact scope. A window
+        never opens on tool results: the assistant turn that asked for them was cut off, and a model
+        provider refuses a tool message that answers no call it can see."""
         async with self.db.connection() as con:
-            found = await con.fetch("load_session", self.scope.app, self.scope.tenant, session_id)
-        return [load_model(Message, r["message"], "session message") for r in found]
+            found = await con.fetch("load_session", self.scope.app, self.scope.tenant, session_id, most)
+        messages = [load_model(Message, r["message"], "session message") for r in found]
+        start = 0
+        while start < len(messages) and messages[start].role is Role.TOOL:
+            start += 1
+        return messages[start:]

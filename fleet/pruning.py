@@ -1,0 +1,95 @@
+"""The sweeper's retention loop: every ``PRUNE_INTERVAL_SECONDS`` it prunes what is past retention (paced,
+``store/retention.py``) and reports the storage it keeps bounded and the dead-letter queue's depth and age.
+
+Any number of sweepers run it at once: each batch skips the rows another holds. A loop that fails is
+restarted by the process's supervisor like every background loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from aio_pika.abc import AbstractRobustConnection
+
+from intermission.fleet.settings import Settings
+from intermission.ops.dead import dead_stats
+from intermission.ops.metrics import SweeperMetrics
+from intermission.publishers.amqp import RETRYABLE
+from intermission.store.db import Database
+from intermission.store.retention import Counts, Kept, Pruner, Retention
+
+log = logging.getLogger("intermission.pruning")
+
+PRUNER_TASK = "pruner"
+
+
+def retention_of(settings: Settings) -> Retention:
+    return Retention(
+        runs=settings.retention_seconds,
+        inbox=settings.inbox_retention_seconds,
+        outbox=settings.outbox_retention_seconds,
+        sessions=settings.session_retention_seconds,
+    )
+
+
+def pruner_for(db: Database, settings: Settings) -> Pruner:
+    return Pruner(
+        db, retention_of(settings), batch=settings.prune_batch, max_rows_per_second=settings.prune_max_rows_per_second
+    )
+
+
+class PruneLoop:
+    def __init__(
+        self,
+        db: Database,
+        connection: AbstractRobustConnection,
+        settings: Settings,
+        metrics: SweeperMetrics,
+    ) -> None:
+        self.pruner = pruner_for(db, settings)
+        self.connection = connection
+        self.interval = settings.prune_interval_seconds
+        self.metrics = metrics
+        metrics.idempotency_window.set(settings.inbox_retention_seconds)
+
+    def _counted(self, kept: Kept, counts: Counts) -> None:
+        for table, n in counts.items():
+            self.metrics.pruned.labels(table).inc(n)
+
+    async def once(self) -> Counts:
+        """One prune of everything due, then the figures the metrics show."""
+        removed = await self.pruner.prune(on_batch=self._counted)
+        if removed:
+            log.info("pruned", extra={"action": "pruned", "rows": removed})
+        await self.report()
+        return removed
+
+    async def report(self) -> None:
+        for table in await self.pruner.storage():
+            self.metrics.table_bytes.labels(table.name).set(table.bytes)
+            self.metrics.table_rows.labels(table.name).set(table.live_rows)
+        ended, inbox = await self.pruner.oldest_kept()
+        self.metrics.oldest_ended_run.set(ended or 0.0)
+        self.metrics.oldest_inbox.set(inbox or 0.0)
+        dead = await dead_stats(self.connection)
+        self.metrics.dead_letters.set(dead.depth)
+        self.metrics.dead_letter_age.set(dead.oldest_seconds or 0.0)
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Prune every interval until ``stop``; an interval of 0 only reports, never prunes."""
+        while not stop.is_set():
+            try:
+                if self.interval > 0:
+                    await self.once()
+                else:
+                    await self.report()
+            except RETRYABLE as exc:
+                # The database or the broker is away: what is due stays due until the next interval, and
+                # an outage must not count as this loop failing (the supervisor would stop the process).
+                log.warning(
+                    "prune skipped: a server is unavailable", extra={"action": "prune_skipped", "error": repr(exc)}
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval or 60.0)
