@@ -8,19 +8,35 @@ by waiting.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-from intermission.schemas.events import RunEventKind
+import aio_pika
+import pytest
+
+from intermission.agent.loop import default_executor
+from intermission.fleet.worker import Worker, running_worker
+from intermission.ops.dead import dead_stats
+from intermission.publishers.clients import HostClient, Received, Subscription, version_of
+from intermission.schemas.commands import ResumeCommand, ToolAnswer
+from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
 from intermission.schemas.llm import Message, Role
 from intermission.schemas.run import NewRun
 from intermission.schemas.scope import Scope
+from intermission.schemas.suspension import Notice
 from intermission.store import Stores
 from intermission.store.retention import RUN_TABLES, Kept, Pruner, Retention
+from intermission.wire import declare
+from tests.support.amqp import DELIVERY_LIMIT, Broker, Vhost
 from tests.support.factories import lease, paused_run, running_run
+from tests.support.fleet import fast_settings, start_command
 from tests.support.inspect import Inspector, pin
 
 HOUR = 3600.0
+WAIT = 20.0
 RETENTION = Retention(runs=HOUR, inbox=HOUR, outbox=HOUR, sessions=HOUR)
 
 
@@ -39,6 +55,15 @@ async def ended_run(stores: Stores, scope: Scope, *, session_id: str | None = No
         own_messages=[Message(role=Role.USER, content="hi"), Message(role=Role.ASSISTANT, content="done")],
     )
     return run_id
+
+
+async def next_of(events: Subscription[Any], wanted: Callable[[Any], bool]) -> Any:
+    async with asyncio.timeout(WAIT):
+        received: Received[Any]
+        async for received in events:
+            if wanted(received.event):
+                return received.event
+    raise AssertionError("the subscription ended")
 
 
 async def age(db: Inspector, table: str, column: str, seconds: float, where: str, *args: Any) -> None:
@@ -177,3 +202,121 @@ async def test_pruners_at_once_delete_each_run_once_and_never_wait_for_a_claim(
     assert sum(c.get("run_events", 0) for c in counts) == events_before
     assert await db.con.fetchval("SELECT count(*) FROM runs WHERE id = ANY($1)", doomed) == 0
     assert await db.con.fetchval("SELECT count(*) FROM runs WHERE id = ANY($1)", [p.run.id for p in held]) == len(held)
+
+
+async def test_a_command_re_sent_inside_the_idempotency_window_is_a_duplicate_and_after_it_a_new_command(
+    worker: Worker, stores: Stores, db: Inspector, host: HostClient, scope: Scope
+) -> None:
+    cmd = start_command(scope, [{"call": [{"tool": "lookup", "arguments": {"query": "q"}}]}, {"say": "done"}])
+    async with host.subscribe(scope) as events:
+        await host.start(cmd)
+        notice = await next_of(events, lambda e: isinstance(e, Notice) and e.run_id == cmd.run_id)
+        assert isinstance(notice, Notice)
+        resume = ResumeCommand(
+            scope=scope, version=version_of(notice), results=[ToolAnswer(call_id=notice.pending[0].id, content="42")]
+        )
+        first = await host.resume(resume)
+        await next_of(events, lambda e: isinstance(e, RunEvent) and e.kind is RunEventKind.COMPLETED)
+
+        # Inside the window: the same message_id is the same command, acknowledged with no second effect.
+        await host.resume(resume, message_id=first)
+        # Past it (the record aged beyond the window and pruned): the same message_id is a new command,
+        # judged afresh; the pause it answered is gone, so it is refused.
+        await age(db, "inbox", "recorded_at", HOUR + 60, "message_id = $2", first)
+        assert await Pruner(stores.db, RETENTION).prune((Kept.INBOX,)) == {"inbox": 1}
+        await host.resume(resume, message_id=first)
+        refused = await next_of(events, lambda e: isinstance(e, CommandRejected) and e.message_id == first)
+    assert isinstance(refused, CommandRejected)
+    assert refused.code in {"not_suspended", "run_conflict"}
+    # Exactly one refusal: the re-send inside the window was a duplicate, not refused.
+    assert await db.con.fetchval("SELECT count(*) FROM runs WHERE id = $1 AND state = 'completed'", cmd.run_id) == 1
+
+
+async def test_a_run_loads_only_the_most_recent_messages_of_a_long_session(
+    stores: Stores, database_url: str, amqp_url: str, rabbit: Broker, host: HostClient, scope: Scope
+) -> None:
+    session = f"long-{uuid.uuid4().hex[:8]}"
+    for _ in range(40):
+        await ended_run(stores, scope, session_id=session)  # 80 messages, user and assistant in turn
+    settings = fast_settings(
+        database_url,
+        amqp_url=amqp_url,
+        bus_user=rabbit.bus.name,
+        delivery_limit=DELIVERY_LIMIT,
+        session_history_messages=5,
+    )
+    cmd = start_command(scope, [{"call": [{"tool": "lookup", "arguments": {"query": "q"}}]}], session_id=session)
+    async with running_worker(settings, executor=default_executor(), stores=stores), host.subscribe(scope) as events:
+        await host.start(cmd)
+        await next_of(events, lambda e: isinstance(e, Notice) and e.run_id == cmd.run_id)
+    pause = await stores.at(scope).suspensions.get_suspension(cmd.run_id)
+    loaded = pause.continuation.messages[: pause.continuation.new_messages_from]
+    # At most five, the most recent ones, never opening on a tool result.
+    assert 0 < len(loaded) <= 5
+    assert loaded[-1].content == "done"
+    assert loaded[0].role is not Role.TOOL
+
+
+async def test_prune_dry_run_counts_without_removing(
+    stores: Stores, db: Inspector, database_url: str, scope: Scope
+) -> None:
+    doomed = [await ended_run(stores, scope) for _ in range(3)]
+    await age(db, "runs", "ended_at", 31 * 86400, "id = ANY($2)", doomed)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERMISSION_")}
+    env["INTERMISSION_DATABASE_URL"] = database_url
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "intermission.ops.cli",
+        "prune",
+        "--dry-run",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    said = dict(line.split(" would remove ") for line in out.decode().splitlines())
+    assert int(said["runs".ljust(20)]) == 3
+    assert int(said["run_events".ljust(20)]) == 3
+    assert await db.con.fetchval("SELECT count(*) FROM runs WHERE id = ANY($1)", doomed) == 3
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "intermission.ops.cli",
+        "prune",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert "runs                 removed 3" in out.decode()
+    assert await db.con.fetchval("SELECT count(*) FROM runs WHERE id = ANY($1)", doomed) == 0
+
+
+async def test_a_capped_dead_letter_queue_refuses_rather_than_drops(amqp_vhost: Vhost) -> None:
+    connection = await aio_pika.connect_robust(amqp_vhost.url())
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        topology = await declare(channel, delivery_limit=DELIVERY_LIMIT, dead_max_length=1)
+        # A quorum queue applies its length limit as its log catches up, so it may take one more than the
+        # limit before it refuses; it must refuse within a few.
+        taken: list[str] = []
+
+        async def fill() -> None:
+            for n in range(5):
+                await topology.dead.publish(aio_pika.Message(b"{}", message_id=f"kept-{n}"), routing_key="")
+                taken.append(f"kept-{n}")
+
+        with pytest.raises(aio_pika.exceptions.DeliveryError):
+            await fill()
+        stats = await dead_stats(connection)
+        head = await topology.dead_queue.get(no_ack=False)
+    finally:
+        await connection.close()
+    # The oldest are kept, not dropped for the newest.
+    assert taken
+    assert head.message_id == "kept-0"
+    assert stats.depth == len(taken)
