@@ -10,6 +10,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,11 +26,15 @@ from intermission.schemas.config import RunConfig
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
-from intermission.schemas.suspension import Notice, SuspendReason
+from intermission.schemas.suspension import ClaimVersion, Continuation, Notice, PendingCall, SuspendReason
 from intermission.store import Stores
+from intermission.store.runs import Pause
+from tests.support.factories import running_run
 from tests.support.fleet import charges, outbox_keys, suspension_count
 
 WAIT = 30.0
+# A pause this version of the integration stored (tests/fixtures/openai_agents/README.md says how it was made).
+STORED_PAUSE_V1 = Path(__file__).resolve().parents[1] / "fixtures" / "openai_agents" / "approval_pause_v1.json"
 EXAMPLE = "tests.examples.openai_agents_agent:executor"
 CONTINUING = "tests.examples.openai_agents_agent:executor_continuing_after_denial"
 
@@ -240,3 +245,34 @@ async def test_a_config_the_sdk_agent_cannot_honour_fails_the_run_before_the_age
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.step_count == 0
     assert await charges(stores, cmd.run_id) == {}
+
+
+@pytest.mark.usefixtures("running")
+async def test_a_pause_stored_by_version_1_of_the_integration_still_resumes(
+    stores: Stores, scope: Scope, host: HostClient, events: Subscription[Any]
+) -> None:
+    # Its SDK state holds a turn of two calls: the price lookup ran before the pause, the charge waits.
+    stored = json.loads(STORED_PAUSE_V1.read_text())
+    cont = Continuation.model_validate_json(json.dumps(stored["continuation"]))
+    pending = [PendingCall.model_validate(p) for p in stored["pending"]]
+    assert Prepared.decode(cont.prepared).version == 1
+    run, held = await running_run(stores, scope)
+    await stores.at(scope).runs.pause_run(
+        run.id, held.owner, Pause(reason=SuspendReason.APPROVAL, pending=pending, continuation=cont, ttl_seconds=0)
+    )
+    s = await stores.at(scope).suspensions.get_suspension(run.id)
+    current = await stores.at(scope).runs.get_run(run.id)
+    assert s.checkpoint_id is not None
+    await host.decide(
+        DecideCommand(
+            scope=scope,
+            version=ClaimVersion(run_id=run.id, suspension_id=s.id, run_revision=current.revision),
+            checkpoint_id=s.checkpoint_id,
+            decision=Decision.APPROVE,
+        )
+    )
+    done = await next_for(events, run.id, ended(RunEventKind.COMPLETED))
+    assert done.output == "charged"
+    assert await charges(stores, run.id) == {"call-0-1-charge": 1}
+    ended_run = await stores.at(scope).runs.get_run(run.id)
+    assert ended_run.step_count == 2
