@@ -276,3 +276,16 @@ async def test_a_pause_stored_by_version_1_of_the_integration_still_resumes(
     assert await charges(stores, run.id) == {"call-0-1-charge": 1}
     ended_run = await stores.at(scope).runs.get_run(run.id)
     assert ended_run.step_count == 2
+
+
+@pytest.mark.usefixtures("running")
+async def test_a_call_of_a_tool_the_run_was_not_given_fails_the_run_and_runs_nothing(
+    stores: Stores, scope: Scope, host: HostClient, events: Subscription[Any]
+) -> None:
+    # The narrowed agent has no charge tool: the SDK refuses the model's call of it (ModelBehaviorError).
+    cmd = start(scope, charge(5), {"say": "charged"}, config=RunConfig(tools=["lookup_price"]))
+    await host.start(cmd)
+    failed = await next_for(events, cmd.run_id, ended(RunEventKind.FAILED))
+    assert failed.error == "executor_error: ModelBehaviorError"
+    assert await charges(stores, cmd.run_id) == {}
+    assert await suspension_count(stores, cmd.run_id) == 0

@@ -16,7 +16,8 @@ from intermission.integrations import openai_agents
 from intermission.integrations.openai_agents import OpenAIAgentsExecutor, Prepared, UnsupportedAgent
 from intermission.schemas.errors import InvalidContinuation
 from intermission.schemas.llm import Message, Role, ToolCall
-from tests.examples.openai_agents_agent import ScriptPlayer, billing_agent
+from tests.examples.openai_agents_agent import billing_agent
+from tests.examples.openai_agents_script import ScriptPlayer
 
 ROOT = Path(__file__).resolve().parents[2]
 # The product's folders (``intermission/`` itself holds two modules and links to these).
@@ -134,3 +135,21 @@ def test_only_the_integration_imports_the_sdk() -> None:
             if any(n == "agents" or n.startswith("agents.") for n in names):
                 importers.append(str(path.relative_to(ROOT)))
     assert sorted(set(importers)) == ["integrations/openai_agents.py"]
+
+
+def test_the_runs_temperature_and_max_tokens_go_to_the_model_settings() -> None:
+    from agents import ModelSettings
+
+    from intermission.schemas.config import RunConfig
+
+    assert openai_agents._model_settings(None, RunConfig()) is None
+    settings = openai_agents._model_settings(ModelSettings(top_p=0.5), RunConfig(temperature=0.2, max_tokens=64))
+    assert settings is not None
+    assert (settings.temperature, settings.max_tokens, settings.top_p) == (0.2, 64, 0.5)
+
+
+def test_the_readme_shows_the_example_agent_module_the_tests_run() -> None:
+    module = (ROOT / "tests" / "examples" / "openai_agents_agent.py").read_text()
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## An OpenAI Agents SDK agent") : readme.index("## What the store guarantees")]
+    assert f"```python\n{module}```" in section
