@@ -10,18 +10,26 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
+from agents import Agent, function_tool
 
 from intermission.agent.executor import Executor
 from intermission.agent.plugins import load_executor
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import running_worker
-from intermission.integrations.openai_agents import ENVELOPE_FORMAT, ENVELOPE_VERSION, Prepared
+from intermission.integrations.openai_agents import (
+    ENVELOPE_FORMAT,
+    ENVELOPE_VERSION,
+    OpenAIAgentsExecutor,
+    Prepared,
+    tool_env,
+)
 from intermission.publishers.clients import HostClient, Subscription, version_of
-from intermission.schemas.commands import DecideCommand, Decision, StartCommand
+from intermission.schemas.commands import CancelCommand, DecideCommand, Decision, StartCommand
 from intermission.schemas.config import RunConfig
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.run import RunState
@@ -29,8 +37,10 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Continuation, Notice, PendingCall, SuspendReason
 from intermission.store import Stores
 from intermission.store.runs import Pause
+from tests.examples.openai_agents_script import ScriptPlayer
 from tests.support.factories import running_run
 from tests.support.fleet import charges, outbox_keys, suspension_count
+from tests.support.waiting import eventually
 
 WAIT = 30.0
 # A pause this version of the integration stored (tests/fixtures/openai_agents/README.md says how it was made).
@@ -289,3 +299,44 @@ async def test_a_call_of_a_tool_the_run_was_not_given_fails_the_run_and_runs_not
     assert failed.error == "executor_error: ModelBehaviorError"
     assert await charges(stores, cmd.run_id) == {}
     assert await suspension_count(stores, cmd.run_id) == 0
+
+
+async def test_a_cancel_of_a_running_sdk_run_ends_it_before_its_next_call(
+    settings: Settings, stores: Stores, scope: Scope, host: HostClient, events: Subscription[Any]
+) -> None:
+    held, release = asyncio.Event(), asyncio.Event()
+
+    @function_tool
+    async def hold() -> str:
+        """Waits until the test lets it go."""
+        held.set()
+        await release.wait()
+        return "released"
+
+    @function_tool
+    async def book(amount: float) -> str:
+        """Books a charge; not safe to run twice."""
+        env = tool_env()
+        await env.ledger.charge(env.run_id, env.call_id, Decimal(str(amount)))
+        return "booked"
+
+    agent = Agent(name="holder", model=ScriptPlayer(), tools=[hold, book])
+    cmd = start(scope, {"call": [{"tool": "hold"}]}, {"call": [{"tool": "book", "arguments": {"amount": 1}}]})
+    async with running_worker(settings, executor=OpenAIAgentsExecutor(agent, not_retry_safe=["book"]), stores=stores):
+        await host.start(cmd)
+        async with asyncio.timeout(WAIT):
+            await held.wait()
+        await host.cancel(CancelCommand(scope=scope, run_id=cmd.run_id, reason="stop it"))
+
+        async def asked_to_end() -> bool:
+            async with stores.db.connection() as con:
+                return await con.raw.fetchval("SELECT ending IS NOT NULL FROM runs WHERE id = $1", cmd.run_id) is True
+
+        await eventually(asked_to_end, within=WAIT, what="the cancel recorded on the running run")
+        release.set()
+        cancelled = await next_for(events, cmd.run_id, ended(RunEventKind.CANCELLED))
+    assert cancelled.error == "stop it"
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
+    assert run.state is RunState.CANCELLED
+    # It ended at its next boundary (before its next model turn, or at that turn's save): the booking never ran.
+    assert await charges(stores, cmd.run_id) == {}
