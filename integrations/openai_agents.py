@@ -90,7 +90,7 @@ OUTCOME_UNKNOWN = (
     "result was saved; it was not run again"
 )
 
-# The tool a call's own arguments are read from, for the names it asks to decide (``approvers_argument``).
+# Why a call needs approval, for the person deciding: (tool name, parsed arguments) -> the pending call's note.
 CallNote = Callable[[str, dict[str, Any]], str]
 
 _OUTPUT_ITEMS: TypeAdapter[list[TResponseOutputItem]] = TypeAdapter(list[TResponseOutputItem])

@@ -19,6 +19,7 @@ from agents import Agent, function_tool
 
 from intermission.agent.executor import Executor
 from intermission.agent.plugins import load_executor
+from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import running_worker
 from intermission.integrations.openai_agents import (
@@ -32,14 +33,16 @@ from intermission.publishers.clients import HostClient, Subscription, version_of
 from intermission.schemas.commands import CancelCommand, DecideCommand, Decision, StartCommand
 from intermission.schemas.config import RunConfig
 from intermission.schemas.events import RunEvent, RunEventKind
+from intermission.schemas.llm import Role
 from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Continuation, Notice, PendingCall, SuspendReason
 from intermission.store import Stores
 from intermission.store.runs import Pause
 from tests.examples.openai_agents_script import ScriptPlayer
+from tests.support.control import LocalControl
 from tests.support.factories import running_run
-from tests.support.fleet import charges, outbox_keys, suspension_count
+from tests.support.fleet import charges, fast_settings, outbox_keys, suspension_count
 from tests.support.waiting import eventually
 
 WAIT = 30.0
@@ -340,3 +343,37 @@ async def test_a_cancel_of_a_running_sdk_run_ends_it_before_its_next_call(
     assert run.state is RunState.CANCELLED
     # It ended at its next boundary (before its next model turn, or at that turn's save): the booking never ran.
     assert await charges(stores, cmd.run_id) == {}
+
+
+async def test_calls_that_share_no_decider_pause_one_after_the_other_and_each_runs_once_approved(
+    stores: Stores, scope: Scope, database_url: str
+) -> None:
+    # In-process (LocalControl) so each decision can come from the user the pause names.
+    fleet = Fleet(stores, fast_settings(database_url), load_executor(EXAMPLE))
+    control = LocalControl(fleet)
+    to_alice = {"tool": "send_email", "arguments": {"to": "a@example.com", "subject": "1", "approvers": ["alice"]}}
+    to_bob = {"tool": "send_email", "arguments": {"to": "b@example.com", "subject": "2", "approvers": ["bob"]}}
+    cmd = start(scope, {"call": [to_alice, to_bob]}, {"say": "both sent"})
+    try:
+        await control.start(cmd)
+        for decider, call_id in [("alice", "call-0-0-send_email"), ("bob", "call-0-1-send_email")]:
+            await fleet.drain()
+            s = await stores.at(scope).suspensions.get_suspension(cmd.run_id)
+            run = await stores.at(scope).runs.get_run(cmd.run_id)
+            assert (s.approvers, [p.id for p in s.pending]) == ([decider], [call_id])
+            assert s.checkpoint_id is not None
+            pin = ClaimVersion(run_id=run.id, suspension_id=s.id, run_revision=run.revision)
+            decision = DecideCommand(scope=scope, version=pin, checkpoint_id=s.checkpoint_id, decision=Decision.APPROVE)
+            await control.decide(decision, principal=decider)
+        await fleet.drain()
+        run = await stores.at(scope).runs.get_run(cmd.run_id)
+        # One model turn asked for both; the second pause needed no new turn.
+        assert (run.state, run.output, run.step_count) == (RunState.COMPLETED, "both sent", 2)
+        # Both calls ran once, each after its own decision, and the session holds both results.
+        session = await stores.at(scope).sessions.load(cmd.run_id)
+        assert [(m.tool_call_id, m.content) for m in session if m.role is Role.TOOL] == [
+            ("call-0-0-send_email", "sent to a@example.com"),
+            ("call-0-1-send_email", "sent to b@example.com"),
+        ]
+    finally:
+        await fleet.stop(grace=1)
