@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ def start(scope: Scope, *turns: dict[str, Any]) -> StartCommand:
     )
 
 
-def worker_env(settings: Settings, crash_at: str, after: int = 0) -> dict[str, str]:
+def worker_env(settings: Settings, crash_at: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("INTERMISSION_")}
     env.update(
         {
@@ -59,7 +60,6 @@ def worker_env(settings: Settings, crash_at: str, after: int = 0) -> dict[str, s
             "INTERMISSION_PAUSE_TTL_SECONDS": "0",
             "INTERMISSION_EXECUTOR": EXAMPLE,
             "INTERMISSION_CRASH_AT": crash_at,
-            "INTERMISSION_CRASH_AFTER": str(after),
         }
     )
     return env
@@ -81,32 +81,31 @@ async def paused(settings: Settings, stores: Stores, host: HostClient, cmd: Star
     raise AssertionError("no notice")
 
 
-async def approve_in_a_worker_that_dies(
-    settings: Settings, host: HostClient, notice: Notice, crash_at: str, after: int = 0
-) -> None:
-    """A worker subprocess takes the approval and SIGKILLs itself at ``crash_at``."""
+async def in_a_worker_that_dies(settings: Settings, crash_at: str, send: Callable[[], Awaitable[object]]) -> None:
+    """A worker subprocess gets what ``send`` publishes and SIGKILLs itself at ``crash_at``."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "tests.support.crash",
         "worker",
         cwd=ROOT,
-        env=worker_env(settings, crash_at, after),
+        env=worker_env(settings, crash_at),
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
-    assert notice.checkpoint_id is not None
-    await host.decide(
-        DecideCommand(
-            scope=notice.scope,
-            version=version_of(notice),
-            checkpoint_id=notice.checkpoint_id,
-            decision=Decision.APPROVE,
-        )
-    )
+    await send()
     async with asyncio.timeout(WAIT):
         _, err = await proc.communicate()
     assert proc.returncode == -signal.SIGKILL, f"rc={proc.returncode}\n{err.decode()[-3000:]}"
+
+
+async def approve_in_a_worker_that_dies(settings: Settings, host: HostClient, notice: Notice, crash_at: str) -> None:
+    """A worker subprocess takes the approval and SIGKILLs itself at ``crash_at``."""
+    assert notice.checkpoint_id is not None
+    approve = DecideCommand(
+        scope=notice.scope, version=version_of(notice), checkpoint_id=notice.checkpoint_id, decision=Decision.APPROVE
+    )
+    await in_a_worker_that_dies(settings, crash_at, lambda: host.decide(approve))
 
 
 async def finished_by_a_survivor(settings: Settings, stores: Stores, scope: Scope, run_id: str) -> None:
@@ -192,3 +191,39 @@ async def test_a_worker_killed_after_saving_a_turn_is_taken_over_from_that_turn(
     # more turn: three in all.
     assert (run.state, run.output, run.step_count) == (RunState.COMPLETED, "done", 3)
     assert await charges(stores, cmd.run_id) == {"call-0-0-charge": 1}
+
+
+async def test_a_worker_killed_right_after_pausing_leaves_one_notice_that_another_worker_publishes(
+    stores: Stores, scope: Scope, settings: Settings, host: HostClient
+) -> None:
+    cmd = start(scope, {"call": [{"tool": "charge", "arguments": {"amount": 5}}]}, {"say": "charged"})
+    async with host.subscribe(scope, exclusive=True) as events:
+        await in_a_worker_that_dies(settings, points.AFTER_PAUSE, lambda: host.start(cmd))
+        assert (await stores.at(scope).runs.get_run(cmd.run_id)).state is RunState.PAUSED
+        async with running_worker(settings, executor=load_executor(EXAMPLE), stores=stores):
+            notice = None
+            async with asyncio.timeout(WAIT):
+                async for received in events:
+                    event = received.event
+                    if isinstance(event, Notice) and event.run_id == cmd.run_id:
+                        notice = event
+                        break
+            assert notice is not None
+            assert [p.id for p in notice.pending] == ["call-0-0-charge"]
+            assert notice.checkpoint_id is not None
+            await host.decide(
+                DecideCommand(
+                    scope=scope,
+                    version=version_of(notice),
+                    checkpoint_id=notice.checkpoint_id,
+                    decision=Decision.APPROVE,
+                )
+            )
+
+            async def completed() -> bool:
+                return (await stores.at(scope).runs.get_run(cmd.run_id)).state is RunState.COMPLETED
+
+            await eventually(completed, within=WAIT, what="the run completed")
+    assert await charges(stores, cmd.run_id) == {"call-0-0-charge": 1}
+    keys = await outbox_keys(stores, scope, cmd.run_id)
+    assert sum(k.startswith("notice.") for k in keys) == 1
