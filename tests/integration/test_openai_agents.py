@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from agents import Agent, function_tool
+from pydantic import BaseModel
 
 from intermission.agent.executor import Executor
 from intermission.agent.plugins import load_executor
@@ -377,3 +378,23 @@ async def test_calls_that_share_no_decider_pause_one_after_the_other_and_each_ru
         ]
     finally:
         await fleet.stop(grace=1)
+
+
+class Invoice(BaseModel):
+    item: str
+    amount: int
+
+
+async def test_a_structured_output_completes_the_run_as_its_json(
+    stores: Stores, scope: Scope, database_url: str
+) -> None:
+    agent = Agent(name="invoicer", model=ScriptPlayer(), output_type=Invoice)
+    fleet = Fleet(stores, fast_settings(database_url), OpenAIAgentsExecutor(agent))
+    cmd = start(scope, {"say": json.dumps({"item": "tea", "amount": 5})})
+    try:
+        await LocalControl(fleet).start(cmd)
+        await fleet.drain()
+    finally:
+        await fleet.stop(grace=1)
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
+    assert (run.state, run.output) == (RunState.COMPLETED, '{"item":"tea","amount":5}')
