@@ -98,7 +98,8 @@ class Settings(BaseSettings):
     # "module:attribute" of the executor factory; the default is the agent loop with the scripted model.
     executor: str = "intermission.agent.loop:default_executor"
     log_level: str = "INFO"
-    # RabbitMQ's management HTTP API, for `intermission grant`; its credentials default to AMQP_URL's.
+    # RabbitMQ's management HTTP API, for `intermission grant` and the demo's users; its credentials default to
+    # AMQP_URL's.
     management_url: str = "http://localhost:15672"
     management_user: str | None = None
     management_password: SecretStr | None = None

@@ -5,22 +5,38 @@ process, and plays three runs of the demo agent that pause for each reason: a ho
 ``external_tool`` pause, an approver decides the ``approval`` pause, and a bus peer answers the
 ``agent_reply`` pause. Everything travels as real commands and events through RabbitMQ.
 
-The demo's bus peer connects as the AMQP URL's own user and the worker it starts trusts that user as the
-bus (on a fresh broker that is ``guest``); a production fleet names a dedicated user in
-``INTERMISSION_BUS_USER``.
+Who acts, when RabbitMQ's management API answers (``INTERMISSION_MANAGEMENT_URL``, with the AMQP URL's
+credentials unless ``INTERMISSION_MANAGEMENT_USER``/``_PASSWORD`` say otherwise): the demo creates or
+updates two users of its own in the AMQP URL's vhost, each with a fresh random password every run (never
+shown, never stored):
+
+- ``intermission-demo-host``, confined by the broker to the demo's scope ``demo/local`` and nothing else,
+  with exactly the permissions ``intermission grant`` gives a host (``ops.grants``): it plays the host and
+  the approver the invoice run names;
+- ``intermission-demo-bus``, trusted with every scope (``intermission users add --trusted``): it plays the
+  bus peer, and the worker the demo starts takes agent replies from it alone (its ``bus_user``).
+
+The worker itself connects as the AMQP URL's user. When the management API does not answer (its plugin is
+off on a fresh broker) or refuses, the demo says so in one line and acts as the AMQP URL's own user for all
+three (on a fresh broker that is ``guest``), trusting it as the bus. A production fleet gives every process
+a user of its own (README, "Threat model").
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
+import httpx
 from yarl import URL
 
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import running_worker
+from intermission.ops.grants import BrokerGrants, ManagementError
 from intermission.publishers.clients import BusClient, HostClient, version_of
 from intermission.schemas.commands import DecideCommand, Decision, ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
@@ -31,8 +47,77 @@ from intermission.store.migrate import ensure_database, migrate
 
 SCOPE = Scope(app="demo", tenant="local")
 TIMEOUT_SECONDS = 60.0
+# The management API is asked once, before anything else: a port nobody listens on answers at once, this
+# bounds one that does not answer at all.
+MANAGEMENT_TIMEOUT_SECONDS = 5.0
+ENABLE_MANAGEMENT = "rabbitmq-plugins enable rabbitmq_management"
 
 Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DemoUsers:
+    """The names of the demo's own RabbitMQ users."""
+
+    host: str = "intermission-demo-host"
+    bus: str = "intermission-demo-bus"
+
+
+@dataclass(frozen=True)
+class Cast:
+    """Who the demo acts as: the host (who also approves) and the bus peer, each by URL and user name;
+    ``confined`` when the host is a user the broker confines to the demo's scope."""
+
+    host_url: str = field(repr=False)
+    host_user: str
+    bus_url: str = field(repr=False)
+    bus_user: str
+    confined: bool
+
+
+def _as(url: str, user: str, password: str) -> str:
+    return str(URL(url).with_user(user).with_password(password))
+
+
+async def cast(settings: Settings, say: Say, users: DemoUsers = DemoUsers()) -> Cast:
+    """Create or update the demo's users through the management API, each with a fresh password: the host
+    confined to ``SCOPE`` alone, the bus trusted with every scope. Without the API, the AMQP URL's own user
+    plays every part (and the story says so)."""
+    own = URL(settings.amqp_url).user or "guest"
+    alone = Cast(settings.amqp_url, own, settings.amqp_url, own, confined=False)
+    access = settings.management()
+    grants = BrokerGrants.connect(
+        access.url, access.user, access.password, access.vhost, timeout=MANAGEMENT_TIMEOUT_SECONDS
+    )
+    host_password, bus_password = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    try:
+        await grants.add_user(users.host, host_password)
+        # Exactly the demo's scope, whatever the user was granted before: grant's own code, made whole.
+        await grants.set_scopes(users.host, [SCOPE])
+        await grants.add_user(users.bus, bus_password)
+        await grants.trust(users.bus)
+    except httpx.HTTPError as exc:
+        say(
+            f"RabbitMQ's management API does not answer at {access.url} ({type(exc).__name__}), so the host, the "
+            f"approver and the bus all act as {own}, the AMQP URL's own user; `{ENABLE_MANAGEMENT}` lets the "
+            "demo confine its host to its scope."
+        )
+        return alone
+    except ManagementError as exc:
+        say(
+            f"RabbitMQ's management API at {access.url} would not create the demo's users ({exc.detail}), so the "
+            f"host, the approver and the bus all act as {own}, the AMQP URL's own user."
+        )
+        return alone
+    finally:
+        await grants.close()
+    return Cast(
+        _as(settings.amqp_url, users.host, host_password),
+        users.host,
+        _as(settings.amqp_url, users.bus, bus_password),
+        users.bus,
+        confined=True,
+    )
 
 
 def _turns(*turns: dict[str, object]) -> list[ScriptTurn]:
@@ -100,25 +185,33 @@ def _describe(notice: Notice) -> str:
     return f"{notice.run_id} paused ({notice.reason.value}) for {calls}{deadline}"
 
 
-async def play(settings: Settings, say: Say) -> int:
+async def play(settings: Settings, say: Say, users: DemoUsers = DemoUsers()) -> int:
     """Play the demo; returns how many runs completed."""
     say("Preparing the database and the broker topology...")
     if await ensure_database(settings.database_url):
         say("  created the database")
     for applied in await migrate(settings.database_url):
         say(f"  applied migration {applied.version:04d}_{applied.name}")
-    user = URL(settings.amqp_url).user or "guest"
-    settings = settings.model_copy(update={"bus_user": user})
+    actors = await cast(settings, say, users)
+    settings = settings.model_copy(update={"bus_user": actors.bus_user})
 
     async with (
         running_worker(settings) as worker,
-        await HostClient.connect(settings.amqp_url, name="intermission-demo host") as host,
-        await BusClient.connect(settings.amqp_url, name="intermission-demo bus") as bus,
+        await HostClient.connect(actors.host_url, name="intermission-demo host") as host,
+        await BusClient.connect(actors.bus_url, name="intermission-demo bus") as bus,
         # A throwaway listener: a durable queue would outlive the demo and fill up with nobody reading it.
         host.subscribe(SCOPE, exclusive=True) as events,
     ):
-        say(f"Worker {worker.fleet.owner} is consuming; the host, an approver ({user}) and a bus peer are listening.")
-        runs = demo_runs(approver=user)
+        say(f"Worker {worker.fleet.owner} is consuming; the host, an approver and a bus peer are listening.")
+        if actors.confined:
+            say(
+                f"  The host {actors.host_user}, who is also the approver, is confined to {SCOPE} by the broker: it "
+                f"may publish and hear nothing of any other scope. The bus peer is {actors.bus_user}, trusted with "
+                "every scope, and the only user whose replies the worker takes."
+            )
+        else:
+            say(f"  The host, the approver and the bus peer are all {actors.host_user}, trusted with every scope.")
+        runs = demo_runs(approver=actors.host_user)
         for run_id, command in runs.items():
             await host.start(command)
             say(f"▶ host started {run_id}: {command.input!r}")

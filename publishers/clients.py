@@ -38,7 +38,9 @@ restarting: events routed there meanwhile wait for it, and an event whose handle
 delivered again to the next subscription of that queue. ``durable_queue="name"`` names it instead;
 subscriptions of several processes to one name share its events (each goes to one of them).
 ``exclusive=True`` is for throwaway listeners (a demo, a dashboard): a queue that lives only as long as the
-subscription, and misses whatever is published while it is not there.
+subscription, and misses whatever is published while it is not there. It is named ``<user>.exclusive-<hex>``
+after the connection's user too, so a host confined to its scopes (which may declare only queues named
+``<user>.*``) can have one.
 """
 
 from __future__ import annotations
@@ -154,7 +156,9 @@ class Subscription(Generic[E]):
 
     ``durable_queue`` names the durable (quorum) queue to read from, declared if missing and bound to the
     subscription's keys (a queue keeps every binding it was ever given); without it the queue is exclusive
-    and deleted with the subscription. The clients' ``subscribe`` name one by default.
+    and deleted with the subscription, named ``exclusive_queue`` (by default aio-pika's ``amq_<hex>``, which
+    only a user trusted with every queue may declare). The clients' ``subscribe`` name both after their
+    user.
     """
 
     def __init__(
@@ -164,13 +168,17 @@ class Subscription(Generic[E]):
         decode: Callable[[str, bytes], E],
         *,
         durable_queue: str | None = None,
+        exclusive_queue: str | None = None,
         prefetch: int = 64,
         remember: int = 10_000,
     ) -> None:
+        if durable_queue is not None and exclusive_queue is not None:
+            raise ValueError("a subscription reads either a durable queue or an exclusive one, not both")
         self._connection = connection
         self._bindings = list(bindings)
         self._decode = decode
         self._durable_queue = durable_queue
+        self._exclusive_queue = exclusive_queue
         self._prefetch = prefetch
         self._seen = _Seen(remember)
         self._inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
@@ -188,9 +196,9 @@ class Subscription(Generic[E]):
         if self._durable_queue is not None:
             queue = await channel.declare_queue(self._durable_queue, durable=True, arguments={"x-queue-type": "quorum"})
         else:
-            # aio-pika names it (amq_<hex>) on the client side, so after a reconnect the robust channel
-            # declares the same name again, replays the bindings and resumes consuming.
-            queue = await channel.declare_queue(None, exclusive=True, auto_delete=True)
+            # Named on the client side (by the caller, or by aio-pika as amq_<hex>), so after a reconnect the
+            # robust channel declares the same name again, replays the bindings and resumes consuming.
+            queue = await channel.declare_queue(self._exclusive_queue, exclusive=True, auto_delete=True)
         for key in self._bindings:
             await queue.bind(EVENTS_EXCHANGE, key)
         self._queue = queue
@@ -283,6 +291,14 @@ def subscription_queue(user: str, scope: Scope | None, what: Collection[str] = (
     if what:
         parts.append("+".join(sorted(what)))
     return ".".join(parts)
+
+
+def exclusive_queue_name(user: str) -> str:
+    """A fresh name for an exclusive subscription's queue: ``<user>.exclusive-<hex>``. Not the server's
+    ``amq.gen-*`` (a robust channel must declare the same name again after a reconnect, so the client names
+    it) nor aio-pika's ``amq_<hex>`` (a host confined to its scopes may declare only queues named
+    ``<user>.*``)."""
+    return f"{user}.exclusive-{uuid.uuid4().hex}"
 
 
 def host_bindings(scope: Scope, kinds: Collection[EventKind] = ALL_KINDS) -> dict[str, type[BaseModel]]:
@@ -422,6 +438,7 @@ class HostClient(_CommandClient):
             exclusive,
             lambda: subscription_queue(self._user(), scope, () if set(kinds) >= ALL_KINDS else kinds),
         )
+        mine = exclusive_queue_name(self._user()) if queue is None else None
 
         def decode(routing_key: str, body: bytes) -> HostEvent:
             model = keys[routing_key]
@@ -429,11 +446,11 @@ class HostClient(_CommandClient):
             assert isinstance(event, Notice | RunEvent | CommandRejected)
             return event
 
-        return Subscription(self.connection, keys, decode, durable_queue=queue, prefetch=prefetch)
+        return Subscription(self.connection, keys, decode, durable_queue=queue, exclusive_queue=mine, prefetch=prefetch)
 
 
 def _queue_to_read(durable_queue: str | None, exclusive: bool, default: Callable[[], str]) -> str | None:
-    """The durable queue a subscription reads, or None for an exclusive one."""
+    """The durable queue a subscription reads, or None for an exclusive one (named by the caller)."""
     if exclusive:
         if durable_queue is not None:
             raise ValueError("a subscription reads either a durable queue or an exclusive one, not both")
@@ -486,8 +503,11 @@ class BusClient(_CommandClient):
         queue = _queue_to_read(
             durable_queue, exclusive, lambda: subscription_queue(self._user(), scope, [SuspendReason.AGENT_REPLY])
         )
+        mine = exclusive_queue_name(self._user()) if queue is None else None
 
         def decode(_routing_key: str, body: bytes) -> Notice:
             return Notice.model_validate_json(body)
 
-        return Subscription(self.connection, [key], decode, durable_queue=queue, prefetch=prefetch)
+        return Subscription(
+            self.connection, [key], decode, durable_queue=queue, exclusive_queue=mine, prefetch=prefetch
+        )

@@ -23,14 +23,17 @@ Options:
 ``--restore``
     Only undo server outages left in progress by a harness that was killed (see ``bench/soak/servers.py``).
 
-What happens: a fresh database and a fresh RabbitMQ vhost with real users (workers, the bus, a host, two
-approvers, and "mallory") are created; three workers and two sweepers run as subprocesses
-(``python -m intermission.ops.cli worker|sweeper``, with 2 s leases renewed every 0.5 s, a 0.3 s reclaim sweep and a
-1 s expiry sweep); a host starts runs with random demo scripts over three scopes and answers their
-notices, two approvers decide approvals and a bus answers agent asks, while faults are injected at random:
+What happens: a fresh database and a fresh RabbitMQ vhost with real users are created (trusted identities
+for the workers, the sweepers and the bus; a host per scope, two approvers and "mallory", each confined by
+the broker to its scopes as ``intermission grant`` confines a host); three workers and two sweepers run as
+subprocesses (``python -m intermission.ops.cli worker|sweeper``, with 2 s leases renewed every 0.5 s, a
+0.3 s reclaim sweep and a 1 s expiry sweep); a host in each of three scopes starts runs with random demo
+scripts and answers their notices, two approvers decide approvals and a bus answers agent asks, while
+faults are injected at random:
 SIGKILL, SIGTERM and crash points of workers, RabbitMQ ``stop_app``/``start_app``, PostgreSQL backend
 terminations and a short PostgreSQL stop/start, and duplicate, reordered, malformed, oversized, foreign,
-forged and unauthorised commands. Then the faults stop, the harness drains (every run ended or paused on
+forged and unauthorised commands (mallory's for other tenants among them, refused by the broker or by the
+workers). Then the faults stop, the harness drains (every run ended or paused on
 purpose, the outbox sent) and the invariant checker (``bench/soak/checker.py``) reads the database, the
 ``demo_charges`` ledger, every event captured from ``intermission.events`` and every dead-lettered copy.
 

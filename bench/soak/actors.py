@@ -1,11 +1,20 @@
-"""The simulated outside world: a host that starts runs and answers their notices (subscribed to the events
-of several scopes), two approvers who decide approvals, a bus that answers agent asks (as the configured
-bus user), and "mallory", a real RabbitMQ user who is neither bus nor approver.
+"""The simulated outside world, each part a RabbitMQ user of its own (``env.py``): one host per scope,
+confined to it by the broker, that starts that scope's runs and answers their notices; two approvers,
+confined to the scopes they approve in, who decide approvals; a bus that answers agent asks (the
+configured bus user, trusted with every scope); and "mallory", a host confined to a scope of its own, who
+is neither bus nor approver and reaches for the other tenants' pauses.
 
-Everything travels through the product's own clients (``publishers/clients.py``) over RabbitMQ; only the
-malformed commands are hand-built bytes. Every command is recorded in the ledger with what it must lead to
-(see ``ledger.Expect``) BEFORE it is published, and published with retries under the SAME message id
-until the broker confirms it.
+Everything travels through the product's own clients (``publishers/clients.py``) over RabbitMQ, keyed
+``run.<command>.<app>.<tenant>`` for the body's scope; only the malformed and hostile commands and
+mallory's mismatched ones are hand-built, keyed for the publisher's own scope (a confined user may publish
+nothing else). Every command is recorded in the ledger with what it must lead to (see ``ledger.Expect``)
+BEFORE it is published, and published with retries under the SAME message id until the broker confirms
+it, or refuses it (ACCESS_REFUSED), which only mallory's commands keyed for another scope expect.
+
+Mallory's reach for another tenant takes three forms: a command keyed for the victim's scope (the broker
+refuses the publish), one keyed for its own scope with the victim's body (the worker refuses it
+``forbidden`` and tells mallory's scope, never the victim's), and the victim's run named in mallory's own
+scope (``not_suspended``: scope is exact in every query).
 
 Command faults that need a live pause (a forged reply, a decision by a non-approver, an answer at a
 foreign scope...) are "wishes": the fault injector posts them and the next suitable notice takes one. The
@@ -27,13 +36,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
+import aiormq
 from aio_pika.abc import AbstractRobustConnection
 
-from bench.soak.env import SoakEnv
+from bench.soak.env import APPROVER_ROLES, MALLORY, SoakEnv
 from bench.soak.ledger import Expect, Fate, Ledger, RunPlan, SentCommand, seeded
 from bench.soak.observe import Observer
 from bench.soak.scripts import Chosen
-from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, connect
+from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, PublishFailed, connect
 from intermission.publishers.clients import BusClient, HostClient, HostEvent, Subscription, version_of
 from intermission.schemas.commands import (
     CancelCommand,
@@ -49,7 +59,7 @@ from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, Notice, SuspendReason
-from intermission.wire import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
+from intermission.wire import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command, message
 from tests.support.hostile import RawText, nested, padded_id
 
 log = logging.getLogger("soak.actors")
@@ -68,6 +78,8 @@ STATE_CODES = frozenset({"not_suspended", "run_conflict"})
 PRE_KINDS = frozenset(
     {
         "foreign_scope_command",
+        "cross_tenant_key",
+        "cross_tenant_body",
         "non_bus_reply",
         "non_approver_decision",
         "wrong_authority",
@@ -77,6 +89,8 @@ PRE_KINDS = frozenset(
     }
 )
 POST_KINDS = frozenset({"duplicate_command", "message_id_conflict"})
+# Mallory's reach for another tenant's pause (see the module's docstring).
+CROSS_TENANT_KINDS = frozenset({"foreign_scope_command", "cross_tenant_key", "cross_tenant_body"})
 END_KINDS = frozenset({"run_exists", "cancel_ended"})
 MALFORMED_VARIANTS = (
     "not_json",
@@ -86,6 +100,7 @@ MALFORMED_VARIANTS = (
     "no_schema_version",
     "wrong_schema_version",
     "json_array",
+    "scope_mismatch",
 )
 # What a foreign or broken client can send that once left a delivery unsettled, or let a command fail in
 # the database instead of being refused: each must come back refused with its code.
@@ -117,13 +132,22 @@ class Actors:
     def __init__(self, env: SoakEnv) -> None:
         self.env = env
         self.connections: list[AbstractRobustConnection] = []
-        self.host: HostClient
+        # The host of each scope, confined to it, and its publisher of hand-built commands (keyed for it).
+        self.hosts: dict[Scope, HostClient] = {}
+        self.raw: dict[Scope, ConfirmingPublisher] = {}
+        self.raw_users: dict[Scope, str] = {}
         self.approvers: dict[str, HostClient] = {}
         self.mallory: HostClient
+        self.mallory_user = env.user(MALLORY)
+        self.mallory_scope = env.mallory_scope
+        self.mallory_connection: AbstractRobustConnection
+        # Mallory's hand-built commands: keyed for its own scope, with another tenant's body.
+        self.mallory_raw: ConfirmingPublisher
         self.bus: BusClient
-        # Replies published by users who are NOT the bus: they must be refused.
-        self.forged_bus: dict[str, BusClient] = {}
-        self.raw: ConfirmingPublisher
+        # Replies published by users who are NOT the bus, though the broker lets them publish for the run's
+        # scope (its host, an approver): the worker must refuse them.
+        self.host_as_bus: dict[Scope, BusClient] = {}
+        self.approver_as_bus: dict[str, BusClient] = {}
 
     async def _connect(self, role: str) -> AbstractRobustConnection:
         connection = await connect(self.env.amqp_url(role), f"soak {role}", reconnect_interval=0.5)
@@ -133,34 +157,60 @@ class Actors:
     @classmethod
     async def open(cls, env: SoakEnv) -> Actors:
         self = cls(env)
-        host = await self._connect("host")
-        self.host = HostClient(host, user_id=env.user("host"))
-        for role in ("approver-1", "approver-2"):
-            self.approvers[env.user(role)] = HostClient(await self._connect(role), user_id=env.user(role))
-        mallory = await self._connect("mallory")
-        self.mallory = HostClient(mallory, user_id=env.user("mallory"))
+        for scope, role in env.host_roles():
+            connection = await self._connect(role)
+            self.hosts[scope] = HostClient(connection, user_id=env.user(role))
+            self.host_as_bus[scope] = BusClient(connection, user_id=env.user(role))
+            self.raw[scope] = ConfirmingPublisher(connection, COMMANDS_EXCHANGE, mandatory=True, timeout=10.0)
+            self.raw_users[scope] = env.user(role)
+        for role in APPROVER_ROLES:
+            name = env.user(role)
+            connection = await self._connect(role)
+            self.approvers[name] = HostClient(connection, user_id=name)
+            self.approver_as_bus[name] = BusClient(connection, user_id=name)
+        self.mallory_connection = await self._connect(MALLORY)
+        self.mallory = HostClient(self.mallory_connection, user_id=self.mallory_user)
+        self.mallory_raw = ConfirmingPublisher(self.mallory_connection, COMMANDS_EXCHANGE, mandatory=True, timeout=10.0)
         self.bus = BusClient(await self._connect("bus"), user_id=env.user("bus"))
-        self.forged_bus = {
-            "mallory": BusClient(mallory, user_id=env.user("mallory")),
-            "host": BusClient(host, user_id=env.user("host")),
-        }
-        self.raw = ConfirmingPublisher(host, COMMANDS_EXCHANGE, mandatory=True, timeout=10.0)
         return self
 
+    def mallory_alone(self) -> HostClient:
+        """A client of mallory's on a channel of its own: the broker closes the channel of a publish it
+        refuses, which would fail whatever else was in flight on it."""
+        return HostClient(self.mallory_connection, user_id=self.mallory_user)
+
     async def close(self) -> None:
-        clients: list[Client] = [self.host, *self.approvers.values(), self.mallory, self.bus, *self.forged_bus.values()]
+        clients: list[Client] = [
+            *self.hosts.values(),
+            *self.approvers.values(),
+            self.mallory,
+            self.bus,
+            *self.host_as_bus.values(),
+            *self.approver_as_bus.values(),
+        ]
         for client in clients:
             with contextlib.suppress(Exception):
                 await client.close()
-        with contextlib.suppress(Exception):
-            await self.raw.close()
+        for publisher in (*self.raw.values(), self.mallory_raw):
+            with contextlib.suppress(Exception):
+                await publisher.close()
         for connection in self.connections:
             with contextlib.suppress(Exception):
                 await connection.close()
 
 
+def broker_refusal(error: BaseException) -> str | None:
+    """The broker's ACCESS_REFUSED behind a failed publish (the user may not publish that key), if it is one:
+    no retry cures it."""
+    cause = error.__cause__ if isinstance(error, PublishFailed) else error
+    if isinstance(cause, aiormq.exceptions.ChannelAccessRefused):
+        return str(cause)
+    return None
+
+
 class Sender:
-    """Publishes with confirms, retrying under the same message id until confirmed or ``give_up_at``."""
+    """Publishes with confirms, retrying under the same message id until confirmed, refused by the broker
+    (ACCESS_REFUSED, recorded: no retry cures it) or ``give_up_at``."""
 
     def __init__(self, give_up_at: Callable[[], float]) -> None:
         self.give_up_at = give_up_at
@@ -174,6 +224,10 @@ class Sender:
             except asyncio.CancelledError:
                 raise
             except SENDER_RETRIES as exc:
+                refused = broker_refusal(exc)
+                if refused is not None:
+                    record.refused_by_broker = refused
+                    return
                 self.retries += 1
                 if time.monotonic() > self.give_up_at():
                     record.note = f"never confirmed: {type(exc).__name__}"
@@ -198,6 +252,24 @@ class Sender:
         self, publisher: ConfirmingPublisher, make: Callable[[], aio_pika.Message], key: str, record: SentCommand
     ) -> None:
         await self._retry(lambda: publisher.publish(make(), key), record)
+
+    async def alone(
+        self, make: Callable[[], HostClient], command: Command, body: ScopedCommand, record: SentCommand
+    ) -> None:
+        """Like ``send``, each attempt on a client (a channel) of its own, closed afterwards: for what the
+        broker is to refuse, since it closes the channel of a refused publish."""
+        mid = record.message_id
+        assert mid is not None
+
+        async def attempt() -> None:
+            client = make()
+            try:
+                await client.send(command, body, message_id=mid)
+            finally:
+                with contextlib.suppress(Exception):
+                    await client.close()
+
+        await self._retry(attempt, record)
 
 
 class Simulator:
@@ -272,7 +344,11 @@ class Simulator:
         codes: frozenset[str] = frozenset(),
         suspension_id: int | None = None,
         group: str | None = None,
+        routed: str | None = None,
+        victim: Scope | None = None,
     ) -> SentCommand:
+        """Record a command before it is sent. ``routed`` is the key it goes under: by default its key for
+        ``scope``, as the clients send it."""
         return self.ledger.sent(
             SentCommand(
                 message_id=mid,
@@ -285,6 +361,8 @@ class Simulator:
                 codes=codes,
                 suspension_id=suspension_id,
                 group=group,
+                routing_key=routed if routed is not None else key.key(scope) if scope is not None else None,
+                victim=victim,
             )
         )
 
@@ -329,7 +407,7 @@ class Simulator:
         record = self._record(
             mid=mid, key=Command.START, run_id=run_id, scope=scope, sender="host", purpose="start", expect=Expect.APPLY
         )
-        await self.sender.send(self.actors.host, Command.START, command, record)
+        await self.sender.send(self.actors.hosts[scope], Command.START, command, record)
         self.starts_done += 1
 
     # --- hearing events ----------------------------------------------------------------------------
@@ -387,7 +465,10 @@ class Simulator:
         if notice.reason is SuspendReason.EXTERNAL_TOOL:
             results = [ToolAnswer(call_id=p.id, content=f"soak answer to {p.id}") for p in notice.pending]
             return Answer(
-                self.actors.host, Command.RESUME, ResumeCommand(scope=scope, version=version, results=results), "host"
+                self.actors.hosts[scope],
+                Command.RESUME,
+                ResumeCommand(scope=scope, version=version, results=results),
+                "host",
             )
         if notice.reason is SuspendReason.APPROVAL:
             assert notice.checkpoint_id is not None
@@ -397,7 +478,7 @@ class Simulator:
                 client: HostClient = self.actors.approvers[who]
                 sender = who
             else:
-                client, sender = self.actors.host, "host"
+                client, sender = self.actors.hosts[scope], "host"
             body = DecideCommand(
                 scope=scope,
                 version=version,
@@ -463,7 +544,7 @@ class Simulator:
             suspension_id=notice.suspension_id,
         )
         body = CancelCommand(scope=plan.scope, run_id=plan.run_id, reason="soak cancels")
-        await self.sender.send(self.actors.host, Command.CANCEL, body, record)
+        await self.sender.send(self.actors.hosts[plan.scope], Command.CANCEL, body, record)
 
     async def _handle(self, plan: RunPlan, notice: Notice, first: bool) -> None:
         rng = self._rng(plan, notice)
@@ -519,12 +600,12 @@ class Simulator:
             return bool(plan.answers) or reason is not SuspendReason.APPROVAL
         return True
 
-    def _client_of(self, sender: str) -> Client:
+    def _client_of(self, sender: str, scope: Scope) -> Client:
         if sender == "bus":
             return self.actors.bus
         if sender in self.actors.approvers:
             return self.actors.approvers[sender]
-        return self.actors.host
+        return self.actors.hosts[scope]
 
     async def _answer_with_faults(self, plan: RunPlan, notice: Notice, rng: random.Random) -> None:
         kind = self._take(PRE_KINDS | POST_KINDS, lambda k: self._fits(plan, notice, k))
@@ -535,6 +616,8 @@ class Simulator:
                 await self._competing_answers(plan, notice, legit)
                 return
             await self._stale_answer(plan, notice)
+        elif kind in CROSS_TENANT_KINDS:
+            await self._cross_tenant(kind, plan, notice, rng)
         elif kind in PRE_KINDS:
             await self._bad_before_answer(kind, plan, notice, rng)
         record = await self._send_answer(plan, notice, legit, Expect.APPLY)
@@ -557,52 +640,120 @@ class Simulator:
     def _forged_mid(self, kind: str) -> str:
         return f"{kind}:{uuid.uuid4().hex[:16]}"
 
+    def _reach(
+        self, plan: RunPlan, notice: Notice, at: Scope, forged: str, rng: random.Random
+    ) -> tuple[Command, ScopedCommand]:
+        """A command for ``notice``'s run and pause, naming the scope ``at`` in its body: a cancel now and
+        then, else the answer its pause's reason asks for, with a forged payload."""
+        version = version_of(notice)
+        if rng.random() < 0.25:
+            return Command.CANCEL, CancelCommand(scope=at, run_id=plan.run_id, reason=forged)
+        if notice.reason is SuspendReason.EXTERNAL_TOOL:
+            results = [ToolAnswer(call_id=p.id, content=forged) for p in notice.pending]
+            return Command.RESUME, ResumeCommand(scope=at, version=version, results=results)
+        if notice.reason is SuspendReason.APPROVAL:
+            assert notice.checkpoint_id is not None
+            return Command.DECIDE, DecideCommand(
+                scope=at, version=version, checkpoint_id=notice.checkpoint_id, decision=Decision.DENY, reason=forged
+            )
+        reply = ReplyCommand(scope=at, version=version, reply_with=notice.pending[0].reply_with, input=forged)
+        return Command.REPLY, reply
+
+    async def _cross_tenant(self, kind: str, plan: RunPlan, notice: Notice, rng: random.Random) -> None:
+        """Mallory, confined to a scope of its own, reaches for this (another tenant's) live pause, before
+        its legit answer goes:
+
+        - ``cross_tenant_key``: the command keyed for the victim's scope, as any client keys it: the broker
+          refuses the publish (ACCESS_REFUSED), so it never reaches the fleet;
+        - ``cross_tenant_body``: keyed for mallory's own scope, with the victim's body: the worker refuses
+          it ``forbidden``, and the refusal goes to mallory's scope, never to the victim's;
+        - ``foreign_scope_command``: the victim's run and pause named in mallory's own scope (by the bus,
+          trusted with every scope, for a reply): ``not_suspended``, since scope is exact in every query.
+        """
+        victim, own = plan.scope, self.actors.mallory_scope
+        mid = self._forged_mid(kind)
+        forged = f"{FORGED}:{mid}"
+        if kind == "foreign_scope_command":
+            command, body = self._reach(plan, notice, own, forged, rng)
+            client: Client = self.actors.bus if command is Command.REPLY else self.actors.mallory
+            sender = "bus" if command is Command.REPLY else "mallory"
+            record = self._record(
+                mid=mid,
+                key=command,
+                run_id=plan.run_id,
+                scope=own,
+                sender=sender,
+                purpose=kind,
+                expect=Expect.REJECT,
+                codes=frozenset({"not_suspended"}),
+                suspension_id=notice.suspension_id,
+                victim=victim,
+            )
+            self.ledger.fault(kind, f"{command.key(own)} from {sender} for {plan.run_id} of {victim}")
+            await self.sender.send(client, command, body, record)
+            await self._await_refusal(record)
+            return
+        command, body = self._reach(plan, notice, victim, forged, rng)
+        if kind == "cross_tenant_key":
+            record = self._record(
+                mid=mid,
+                key=command,
+                run_id=plan.run_id,
+                scope=victim,
+                sender="mallory",
+                purpose=kind,
+                expect=Expect.BROKER_REFUSES,
+                suspension_id=notice.suspension_id,
+                victim=victim,
+            )
+            self.ledger.fault(kind, f"{command.key(victim)} from mallory for {plan.run_id}")
+            await self.sender.alone(self.actors.mallory_alone, command, body, record)
+            return
+        assert kind == "cross_tenant_body", kind
+        key = command.key(own)
+        record = self._record(
+            mid=mid,
+            key=command,
+            run_id=plan.run_id,
+            scope=victim,
+            sender="mallory",
+            purpose=kind,
+            expect=Expect.REJECT,
+            codes=frozenset({"forbidden"}),
+            suspension_id=notice.suspension_id,
+            routed=key,
+            victim=victim,
+        )
+        text = body.model_dump_json()
+
+        def make() -> aio_pika.Message:
+            return message(text, message_id=mid, routing_key=key, user_id=self.actors.mallory_user)
+
+        self.ledger.fault(kind, f"{key} from mallory with a body acting in {victim} for {plan.run_id}")
+        await self.sender.raw(self.actors.mallory_raw, make, key, record)
+        await self._await_refusal(record)
+
     async def _bad_before_answer(self, kind: str, plan: RunPlan, notice: Notice, rng: random.Random) -> None:
-        """Send one bad command at this live pause and wait for its refusal."""
+        """Send one bad command at this live pause, each from a user the broker lets publish for its scope,
+        and wait for its refusal."""
         version = version_of(notice)
         mid = self._forged_mid(kind)
         forged = f"{FORGED}:{mid}"
         reason = notice.reason
         scope = plan.scope
-        foreign = Scope(app=FOREIGN_APP, tenant=scope.tenant)
+        host = self.actors.hosts[scope]
         client: Client
         body: ScopedCommand
-        if kind == "foreign_scope_command":
-            codes = frozenset({"not_suspended"})
-            if rng.random() < 0.25:
-                command, client, sender = Command.CANCEL, self.actors.host, "host"
-                body = CancelCommand(scope=foreign, run_id=plan.run_id, reason=forged)
-            elif reason is SuspendReason.EXTERNAL_TOOL:
-                command, client, sender = Command.RESUME, self.actors.host, "host"
-                body = ResumeCommand(
-                    scope=foreign,
-                    version=version,
-                    results=[ToolAnswer(call_id=p.id, content=forged) for p in notice.pending],
-                )
-            elif reason is SuspendReason.APPROVAL:
-                assert notice.checkpoint_id is not None
-                who = notice.approvers[0] if notice.approvers else self.approver_names[0]
-                command, client, sender = Command.DECIDE, self.actors.approvers.get(who, self.actors.host), who
-                body = DecideCommand(
-                    scope=foreign,
-                    version=version,
-                    checkpoint_id=notice.checkpoint_id,
-                    decision=Decision.DENY,
-                    reason=forged,
-                )
-            else:
-                command, client, sender = Command.REPLY, self.actors.bus, "bus"
-                body = ReplyCommand(
-                    scope=foreign, version=version, reply_with=notice.pending[0].reply_with, input=forged
-                )
-        elif kind == "non_bus_reply":
-            who = rng.choice(["mallory", "host"])
+        if kind == "non_bus_reply":
+            # Its host, or an approver: both may publish for the scope, neither is the bus.
+            who = rng.choice(["host", *sorted(self.actors.approver_as_bus)])
             codes = frozenset({"forbidden"})
-            command, client, sender = Command.REPLY, self.actors.forged_bus[who], who
+            forger = self.actors.host_as_bus[scope] if who == "host" else self.actors.approver_as_bus[who]
+            command, client, sender = Command.REPLY, forger, who
             body = ReplyCommand(scope=scope, version=version, reply_with=notice.pending[0].reply_with, input=forged)
         elif kind == "non_approver_decision":
             assert notice.checkpoint_id is not None
-            outsiders: list[tuple[str, HostClient]] = [("mallory", self.actors.mallory), ("host", self.actors.host)]
+            outsiders: list[tuple[str, HostClient]] = [("host", host)]
             outsiders += [(n, c) for n, c in self.actors.approvers.items() if n not in notice.approvers]
             sender, decider = rng.choice(outsiders)
             codes = frozenset({"forbidden"})
@@ -611,7 +762,7 @@ class Simulator:
                 scope=scope, version=version, checkpoint_id=notice.checkpoint_id, decision=Decision.DENY, reason=forged
             )
         elif kind == "wrong_authority":
-            command, client, sender = Command.RESUME, self.actors.host, "host"
+            command, client, sender = Command.RESUME, host, "host"
             if reason is SuspendReason.EXTERNAL_TOOL:
                 codes = frozenset({"invalid_state"})
                 command = Command.DECIDE
@@ -629,7 +780,7 @@ class Simulator:
                 )
         elif kind == "results_mismatch":
             codes = frozenset({"results_mismatch"})
-            command, client, sender = Command.RESUME, self.actors.host, "host"
+            command, client, sender = Command.RESUME, host, "host"
             wrong = [ToolAnswer(call_id=f"no-such-call-{mid}", content=forged)]
             body = ResumeCommand(scope=scope, version=version, results=wrong)
         elif kind == "oversized_command":
@@ -647,9 +798,7 @@ class Simulator:
             mid=mid,
             key=command,
             run_id=plan.run_id,
-            scope=body.scope
-            if isinstance(body, ResumeCommand | DecideCommand | ReplyCommand | CancelCommand)
-            else None,
+            scope=scope,
             sender=sender,
             purpose=kind,
             expect=Expect.REJECT,
@@ -675,7 +824,7 @@ class Simulator:
             body = DecideCommand.model_validate_json(body_json)
         else:
             body = ResumeCommand.model_validate_json(body_json)
-        client = self._client_of(sender)
+        client = self._client_of(sender, plan.scope)
         # A host's answer is refused as a conflict; the bus's identical reply is the admitted reply again.
         duplicate = command is Command.REPLY
         record = self._record(
@@ -771,12 +920,19 @@ class Simulator:
             codes=codes,
         )
         self.ledger.fault(kind, f"{command.value} for ended run {plan.run_id}")
-        await self.sender.send(self.actors.host, command, body, record)
+        await self.sender.send(self.actors.hosts[plan.scope], command, body, record)
 
     # --- faults that need no pause -----------------------------------------------------------------
 
     async def malformed(self, variant: str) -> None:
+        """Hand-built bytes from the host of a scope, keyed for that scope (a confined user may publish no
+        other key, the bare one included). The key is checked only once the body parsed, so a body that does
+        not parse, or names no valid scope, is refused for that (invalid_message, invalid_scope); a
+        well-formed body naming another scope under the publisher's key is ``forbidden``."""
         scope = self.rng.choice(self.scopes)
+        # The scope the body acts in, where it has a readable one (another one's only in scope_mismatch).
+        body_scope: Scope | None = scope
+        victim: Scope | None = None
         ghost = f"ghost-{uuid.uuid4().hex[:16]}"
         mid = self._forged_mid("malformed")
         headers: dict[str, Any] = {SCHEMA_VERSION_HEADER: SCHEMA_VERSION}
@@ -832,13 +988,23 @@ class Simulator:
             key = Command.START
             head = json.dumps({"scope": scope.model_dump(), "run_id": ghost, "agent_id": "demo", "input": ""})
             body = head[:-2].encode() + b"x" * OVERSIZED_BODY_BYTES + b'"}'
+        elif variant == "scope_mismatch":
+            # Well formed, keyed for the publisher's scope, acting in another tenant's.
+            victim = body_scope = self.rng.choice([s for s in self.scopes if s != scope])
+            body = json.dumps({**resume, "scope": victim.model_dump()}).encode()
+            codes = frozenset({"forbidden"})
         else:
             raise AssertionError(variant)
+        if variant in ("not_json", "bad_scope", "nested_deep", "long_message_id"):
+            body_scope = None
+        routed = key.key(scope)
         record = self._record(
             mid=mid,
             key=key,
             run_id=ghost,
-            scope=scope if variant not in ("not_json", "bad_scope", "nested_deep", "long_message_id") else None,
+            scope=body_scope,
+            routed=routed,
+            victim=victim,
             sender="raw",
             purpose=(
                 "oversized_command"
@@ -851,7 +1017,7 @@ class Simulator:
             codes=codes,
         )
         record.note = variant
-        user = self.actors.env.user("host")
+        user = self.actors.raw_users[scope]
 
         def make() -> aio_pika.Message:
             return aio_pika.Message(
@@ -859,13 +1025,13 @@ class Simulator:
                 content_type="application/json",
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
                 message_id=mid,
-                type=key.value,
+                type=routed,
                 headers=dict(headers),
                 user_id=user,
             )
 
-        self.ledger.fault(record.purpose, f"{variant} on {key.value} ({len(body)} bytes)")
-        await self.sender.raw(self.actors.raw, make, key.value, record)
+        self.ledger.fault(record.purpose, f"{variant} on {routed} ({len(body)} bytes)")
+        await self.sender.raw(self.actors.raw[scope], make, routed, record)
 
     async def unknown_run(self) -> None:
         scope = self.rng.choice(self.scopes)
@@ -885,7 +1051,7 @@ class Simulator:
             codes=frozenset({"not_suspended"}),
         )
         self.ledger.fault("unknown_run", f"run.resume for {ghost}")
-        await self.sender.send(self.actors.host, Command.RESUME, body, record)
+        await self.sender.send(self.actors.hosts[scope], Command.RESUME, body, record)
 
     async def duplicate_start(self) -> bool:
         """Re-send a start already sent, under its own message id: no second run, no refusal."""
@@ -896,5 +1062,5 @@ class Simulator:
         body = self.start_bodies[record.run_id or ""]
         self.ledger.fault("duplicate_command", f"run.start {record.message_id} re-sent")
         record.sends += 1
-        await self.sender.send(self.actors.host, Command.START, body, record)
+        await self.sender.send(self.actors.hosts[body.scope], Command.START, body, record)
         return True

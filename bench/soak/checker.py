@@ -14,13 +14,18 @@ The invariants (docs/invariants.md, as the soak can observe them):
 - ``notices_match_pauses``: every pause wrote exactly one Notice, which was delivered; every delivered
   Notice matches a pause (suspension, run and revision).
 - ``notices_heard``: the host's (and for agent asks the bus's) durable subscription delivered every notice.
-- ``one_effect_per_command``: every accepted command has exactly one effect (inbox rows and ``run.resumed``
-  events per message id), every refused one a ``command.rejected`` event with the expected code and a
-  dead-lettered copy carrying it; racing commands have exactly one effect per race; nothing is refused or
-  applied that the harness did not send, and nothing is dead-lettered by the broker's delivery limit.
+- ``one_effect_per_command``: every accepted command has exactly one effect (inbox rows, keyed by scope and
+  message id, and ``run.resumed`` events per message id), every refused one a ``command.rejected`` event
+  with the expected code and a dead-lettered copy carrying it, every one the broker was to refuse at publish
+  (a confined user keying another scope's command) refused there and never delivered (no effect, refusal or
+  copy); no command the broker refused that its sender may publish; racing commands have exactly one effect
+  per race; nothing is refused or applied that the harness did not send, and nothing is dead-lettered by the
+  broker's delivery limit.
 - ``scope_and_authority``: nothing at another scope or without authority changed anything: no row at the
   foreign scope, no forged payload anywhere in the database, every decided checkpoint decided by a
-  principal it accepts.
+  principal it accepts; every refusal heard in the scope its command's routing key names (never the scope a
+  body merely claims); nothing of a command that reached for another tenant (mallory's) heard in that
+  tenant's scope or recorded in any scope's inbox.
 - ``outbox_delivered``: nothing is left unsent in the outbox, and every row reached the events exchange
   with its own message id and body.
 - ``expiries``: a run whose pause deadline passed unanswered ended failed with a ``suspension_expired``
@@ -42,6 +47,8 @@ import asyncpg
 
 from bench.soak.ledger import EXPIRED, Expect, Fate, Ledger, RunPlan, SentCommand
 from bench.soak.observe import DeadLetter, Event
+from intermission.schemas.scope import Scope
+from intermission.wire import Command, KeyScopeInvalid, rejected_key
 
 INVARIANTS: dict[str, str] = {
     "runs_settled": "every run ended, or is paused with exactly one live suspension, as its plan allows",
@@ -102,7 +109,8 @@ class Snapshot:
     progress: dict[str, asyncpg.Record]
     run_events: list[asyncpg.Record]
     outbox: list[asyncpg.Record]
-    inbox: dict[str, asyncpg.Record]
+    # Keyed as the table is: (app, tenant, message_id).
+    inbox: dict[tuple[str, str, str], asyncpg.Record]
     charges: list[asyncpg.Record]
     checkpoints: list[asyncpg.Record]
     admissions: list[asyncpg.Record]
@@ -153,7 +161,7 @@ async def _read(database_url: str, foreign_app: str) -> Snapshot:
                 "SELECT id, message_id::text AS message_id, routing_key, body, correlation_id, run_id, app, tenant,"
                 " sent_at FROM outbox ORDER BY id"
             )
-            inbox = {r["message_id"]: r for r in await con.fetch("SELECT * FROM inbox")}
+            inbox = {(r["app"], r["tenant"], r["message_id"]): r for r in await con.fetch("SELECT * FROM inbox")}
             charges = await con.fetch(
                 "SELECT run_id, call_id, count(*) AS times, array_agg(charged_at ORDER BY charged_at) AS at"
                 " FROM demo_charges GROUP BY run_id, call_id"
@@ -214,6 +222,21 @@ def _json(text: str) -> dict[str, Any]:
     return parsed
 
 
+def key_scope(routing_key: str) -> Scope | None:
+    """The scope a command's routing key names; None for the bare key or one that names no valid scope."""
+    command = Command.of_key(routing_key)
+    if command is None:
+        return None
+    try:
+        return command.scope_of_key(routing_key)
+    except KeyScopeInvalid:
+        return None
+
+
+def _at(row: asyncpg.Record, scope: Scope | None) -> bool:
+    return scope is not None and (row["app"], row["tenant"]) == (scope.app, scope.tenant)
+
+
 class Checker:
     def __init__(self, ledger: Ledger, evidence: Evidence, snap: Snapshot, *, foreign_app: str, mallory: str) -> None:
         self.ledger = ledger
@@ -243,16 +266,29 @@ class Checker:
                 self.terminal_rows[row["run_id"]].append(row)
         self.captured: dict[str, list[Event]] = defaultdict(list)
         self.refusals: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        # The routing keys each command's refusals were heard under.
+        self.refusal_keys: dict[str, list[str]] = defaultdict(list)
+        # The events that name a command: caused by it (correlation id) or about it (a refusal's body).
+        self.mentions: dict[str, list[Event]] = defaultdict(list)
         self.unattributed: list[dict[str, Any]] = []
         for captured in evidence.events:
             if captured.message_id is not None:
                 self.captured[captured.message_id].append(captured)
+            named = {captured.correlation_id}
             if captured.routing_key.startswith("command.rejected.") and captured.body is not None:
                 mid = captured.body.get("message_id")
                 if isinstance(mid, str) and mid:
                     self.refusals[mid].append(captured.body)
+                    self.refusal_keys[mid].append(captured.routing_key)
+                    named.add(mid)
                 else:
                     self.unattributed.append(captured.body)
+            for mid in named:
+                if mid:
+                    self.mentions[mid].append(captured)
+        self.inbox_by_mid: dict[str, list[asyncpg.Record]] = defaultdict(list)
+        for (_app, _tenant, mid), row in snap.inbox.items():
+            self.inbox_by_mid[mid].append(row)
         self.dead_by_mid: dict[str, list[DeadLetter]] = defaultdict(list)
         for dead in evidence.dead:
             if dead.message_id:
@@ -418,10 +454,19 @@ class Checker:
 
     # --- commands ----------------------------------------------------------------------------------
 
-    def _effects(self, mid: str, key: str, run_id: str | None) -> tuple[int, list[str]]:
-        """How many effects the command with ``mid`` had, and any inconsistency found on the way."""
+    def _effects(self, command: SentCommand) -> tuple[int, list[str]]:
+        """How many effects ``command`` had, and any inconsistency found on the way. Its inbox record is the
+        one at its scope (the inbox is keyed by scope and message id); one at any other scope is an effect
+        too, and a wrong one."""
+        mid, key, run_id = command.message_id, command.key, command.run_id
+        assert mid is not None
         problems: list[str] = []
-        inbox = self.snap.inbox.get(mid)
+        rows = self.inbox_by_mid.get(mid, [])
+        mine = [r for r in rows if _at(r, command.scope)]
+        for row in rows:
+            if not _at(row, command.scope):
+                problems.append(f"an inbox record at {row['app']}/{row['tenant']}, not at {command.scope}")
+        inbox = mine[0] if mine else None
         resumed = self.resumed_rows.get(mid, [])
         for row in resumed:
             if run_id is not None and row["run_id"] != run_id:
@@ -434,11 +479,11 @@ class Checker:
             if inbox is not None and not resumed:
                 problems.append("an inbox record without a run.resumed event")
             if resumed and inbox is None:
-                problems.append("a run.resumed event without an inbox record")
-            return len(resumed), problems
+                problems.append("a run.resumed event without an inbox record at its scope")
+            return max(len(resumed), len(rows)), problems
         if resumed:
             problems.append(f"{len(resumed)} run.resumed event(s) for a {key}")
-        return (1 if inbox is not None else 0), problems
+        return len(rows), problems
 
     def commands(self) -> None:
         inv = "one_effect_per_command"
@@ -446,7 +491,7 @@ class Checker:
         for mid, sent in self.ledger.by_message_id().items():
             original = sent[0]
             conflicts = [c for c in sent[1:] if c.purpose == "message_id_conflict"]
-            effects, problems = self._effects(mid, original.key, original.run_id)
+            effects, problems = self._effects(original)
             codes = [r.get("code") for r in self.refusals.get(mid, [])]
             dead = self.dead_by_mid.get(mid, [])
             dead_codes = [d.error for d in dead if d.error is not None]
@@ -492,6 +537,17 @@ class Checker:
         self, inv: str, subject: str, command: SentCommand, effects: int, codes: list[Any], dead: list[str]
     ) -> None:
         refused = bool(codes)
+        if command.expect is Expect.BROKER_REFUSES:
+            self._judge_broker_refusal(inv, subject, command, effects, codes, dead)
+            return
+        if command.refused_by_broker is not None:
+            self.fail(
+                inv,
+                subject,
+                "taken by the broker (its sender may publish it)",
+                f"refused at publish: {command.refused_by_broker}",
+            )
+            return
         expected = [c for c in codes if c in command.codes]
         again = [c for c in codes if c not in command.codes]
         if expected and again and all(c in REDELIVERY_CODES for c in again):
@@ -552,6 +608,26 @@ class Checker:
                     f"codes {codes}, copies with {dead}",
                 )
 
+    def _judge_broker_refusal(
+        self, inv: str, subject: str, command: SentCommand, effects: int, codes: list[Any], dead: list[str]
+    ) -> None:
+        """A command keyed for a scope its sender is not granted: the broker refuses the publish, so the
+        fleet never sees it."""
+        if command.confirmed:
+            self.fail(inv, subject, "refused by the broker at publish (ACCESS_REFUSED)", "confirmed by the broker")
+        elif command.refused_by_broker is None:
+            self.ledger.notes.append(f"{command.describe()} was neither refused nor confirmed: {command.note}")
+        elif "ACCESS_REFUSED" not in command.refused_by_broker:
+            self.fail(inv, subject, "an ACCESS_REFUSED from the broker", command.refused_by_broker)
+        if effects or codes or dead or self.dead_by_mid.get(command.message_id or ""):
+            self.fail(
+                inv,
+                subject,
+                "never delivered: no effect, no refusal and no dead-lettered copy",
+                f"{effects} effect(s), refusals {codes}, copies "
+                f"{[d.error for d in self.dead_by_mid.get(command.message_id or '', [])]}",
+            )
+
     def _unexpected(self, inv: str) -> None:
         sent = self.ledger.by_message_id()
         for body in self.unattributed:
@@ -572,7 +648,7 @@ class Checker:
                     "refusals only of commands the harness sent",
                     f"refused {first.get('code')}: {first.get('detail')}",
                 )
-        for mid, row in self.snap.inbox.items():
+        for (_app, _tenant, mid), row in self.snap.inbox.items():
             if mid not in sent:
                 self.result.checked[inv] += 1
                 if mid.startswith("expire:"):
@@ -650,8 +726,50 @@ class Checker:
                         "approved (the harness only approves this run)",
                         f"denied by {decider}: {row['reason']}",
                     )
-        forged = [c for c in self.ledger.commands if c.expect is Expect.REJECT]
+        for command in self.ledger.commands:
+            if command.message_id is not None and command.routing_key is not None:
+                self._refusals_heard_at_the_key(inv, command)
+            if command.message_id is not None and command.victim is not None:
+                self._nothing_at_the_victim(inv, command, command.victim)
+        forged = [c for c in self.ledger.commands if c.expect in (Expect.REJECT, Expect.BROKER_REFUSES)]
         self.result.stats["bad_commands"] = len(forged)
+        self.result.stats["refused_by_the_broker"] = sum(1 for c in self.ledger.commands if c.refused_by_broker)
+
+    def _refusals_heard_at_the_key(self, inv: str, command: SentCommand) -> None:
+        """A refusal goes to the stream of the scope the command's routing key names (which the broker vouches
+        for), never to the one its body claims."""
+        assert command.message_id is not None
+        assert command.routing_key is not None
+        heard = self.refusal_keys.get(command.message_id, [])
+        if not heard:
+            return
+        self.result.checked[inv] += 1
+        wanted = rejected_key(key_scope(command.routing_key))
+        wrong = sorted({k for k in heard if k != wanted})
+        if wrong:
+            self.fail(
+                inv,
+                f"command {command.describe()}",
+                f"its refusals under {wanted} (the scope of its key {command.routing_key})",
+                f"refusals under {wrong}",
+            )
+
+    def _nothing_at_the_victim(self, inv: str, command: SentCommand, victim: Scope) -> None:
+        """A command that reached for another tenant's run changed nothing there and told it nothing."""
+        assert command.message_id is not None
+        self.result.checked[inv] += 1
+        subject = f"command {command.describe()}, reaching for {victim}"
+        heard = [
+            e.routing_key
+            for e in self.mentions.get(command.message_id, [])
+            if ".".join(e.routing_key.split(".")[-2:]) == victim.routing_suffix()
+        ]
+        if heard:
+            self.fail(inv, subject, f"nothing of it heard in {victim}'s events", f"{sorted(set(heard))}")
+        recorded = self.inbox_by_mid.get(command.message_id, [])
+        if recorded:
+            where = sorted({f"{r['app']}/{r['tenant']}" for r in recorded})
+            self.fail(inv, subject, "no inbox record of it in any scope", f"records at {where}")
 
     # --- outbox ------------------------------------------------------------------------------------
 
@@ -774,7 +892,7 @@ class Checker:
                 "refusals": len(self.refusals) + len(self.unattributed),
                 "dead_lettered": len(self.evidence.dead),
                 "inbox_rows": len(self.snap.inbox),
-                "sweeper_expiries_applied": sum(1 for m in self.snap.inbox if m.startswith("expire:")),
+                "sweeper_expiries_applied": sum(1 for _, _, m in self.snap.inbox if m.startswith("expire:")),
                 "charges": sum(int(r["times"]) for r in self.snap.charges),
                 "outbox_rows": len(self.snap.outbox),
                 "checkpoints_decided": sum(1 for r in self.snap.checkpoints if r["state"] in ("approved", "denied")),

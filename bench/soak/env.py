@@ -1,6 +1,15 @@
 """The soak's isolated environment: a fresh PostgreSQL database and a fresh RabbitMQ vhost with real users
-of its own (the workers, the bus, a host, two approvers, and "mallory", who is neither bus nor approver),
-created at the start and removed at the end.
+of its own, created at the start and removed at the end:
+
+- trusted identities (every right in the vhost, no topic permission), one per part of the fleet: the
+  workers, the sweepers and the bus (the workers' ``INTERMISSION_BUS_USER``);
+- one host per scope the soak's runs live in, confined to it by the broker (exactly the permissions
+  ``intermission grant`` gives: ``ops.grants.host_permissions``);
+- two approvers, confined to the scopes they approve in (all of the runs' scopes);
+- "mallory", a host confined to a scope of its own where no run lives, who is neither bus nor approver.
+
+Everything is made by ONE ``rabbitmqctl import_definitions`` (users, the vhost, permissions and topic
+permissions): each ``rabbitmqctl`` call boots an Erlang VM, about a second.
 
 The servers come from ``INTERMISSION_SOAK_DATABASE_URL`` (a server-level DSN; else the test suite's
 ``INTERMISSION_TEST_DATABASE_URL``, else the ``PG*`` variables, default
@@ -25,12 +34,18 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 from yarl import URL
 
+from intermission.ops.grants import NOTHING, host_permissions
+from intermission.schemas.scope import Scope
 from intermission.store.migrate import migrate
+from intermission.wire import COMMANDS_EXCHANGE, EVENTS_EXCHANGE
 from tests.support.rabbitctl import delete_vhosts, full_rights, rabbitmqctl, user_definition, write_definitions
 
 log = logging.getLogger("soak.env")
 
-ROLES = ("worker", "bus", "host", "approver-1", "approver-2", "mallory")
+# The fleet's own identities, each trusted with every scope.
+TRUSTED_ROLES = ("worker", "sweeper", "bus")
+APPROVER_ROLES = ("approver-1", "approver-2")
+MALLORY = "mallory"
 
 
 def server_dsn() -> str:
@@ -69,6 +84,29 @@ def with_database(dsn: str, name: str) -> str:
 class AmqpUser:
     name: str
     password: str = field(repr=False)
+    # The scopes the broker confines it to; None for a trusted identity (every scope).
+    scopes: tuple[Scope, ...] | None = None
+
+
+def host_role(index: int) -> str:
+    """The role of the host of the soak's ``index``-th scope."""
+    return f"host-{index}"
+
+
+def permission_definitions(user: AmqpUser, vhost: str) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """``user``'s permissions and topic permissions as import definitions: every right for a trusted
+    identity; for a confined one, exactly what ``intermission grant`` gives it for its scopes."""
+    if user.scopes is None:
+        return full_rights(user.name, vhost), []
+    p = host_permissions(user.name, list(user.scopes))
+    who = {"user": user.name, "vhost": vhost}
+    return (
+        {**who, "configure": p.configure, "write": p.write, "read": p.read},
+        [
+            {**who, "exchange": COMMANDS_EXCHANGE, "write": p.commands_write, "read": NOTHING},
+            {**who, "exchange": EVENTS_EXCHANGE, "write": NOTHING, "read": p.events_read},
+        ],
+    )
 
 
 @dataclass
@@ -78,13 +116,36 @@ class SoakEnv:
     admin_url: str
     ctl: list[str]
     users: dict[str, AmqpUser]
+    # The scopes the runs live in, each with its own host (``host_role(i)`` for ``scopes[i]``), and
+    # mallory's own scope, where no run lives.
+    scopes: list[Scope]
+    mallory_scope: Scope
     created_database: bool = False
     created_vhost: bool = False
 
     @classmethod
-    def new(cls, tag: str) -> SoakEnv:
-        users = {role: AmqpUser(f"soak-{tag}-{role}", secrets.token_urlsafe(18)) for role in ROLES}
-        return cls(tag=tag, server_dsn=server_dsn(), admin_url=amqp_admin_url(), ctl=rabbitmqctl_argv(), users=users)
+    def new(cls, tag: str, scopes: list[Scope], mallory_scope: Scope) -> SoakEnv:
+        confined: dict[str, tuple[Scope, ...] | None] = dict.fromkeys(TRUSTED_ROLES)
+        confined.update({host_role(i): (scope,) for i, scope in enumerate(scopes)})
+        confined.update({role: tuple(scopes) for role in APPROVER_ROLES})
+        confined[MALLORY] = (mallory_scope,)
+        users = {
+            role: AmqpUser(f"soak-{tag}-{role}", secrets.token_urlsafe(18), scopes=where)
+            for role, where in confined.items()
+        }
+        return cls(
+            tag=tag,
+            server_dsn=server_dsn(),
+            admin_url=amqp_admin_url(),
+            ctl=rabbitmqctl_argv(),
+            users=users,
+            scopes=list(scopes),
+            mallory_scope=mallory_scope,
+        )
+
+    def host_roles(self) -> list[tuple[Scope, str]]:
+        """Each scope of the runs with the role of its host."""
+        return [(scope, host_role(i)) for i, scope in enumerate(self.scopes)]
 
     @property
     def database(self) -> str:
@@ -125,12 +186,19 @@ class SoakEnv:
 
     async def _create_vhost(self) -> None:
         admin = URL(self.admin_url).user or "guest"
+        # The administrator (the topology, the harness's observer) and the fleet's identities may do
+        # anything in the vhost; hosts, approvers and mallory only what the broker lets a confined host do.
+        permissions = [full_rights(admin, self.vhost)]
+        topic_permissions: list[dict[str, str]] = []
+        for user in self.users.values():
+            rights, topics = permission_definitions(user, self.vhost)
+            permissions.append(rights)
+            topic_permissions.extend(topics)
         definitions: dict[str, Any] = {
             "users": [user_definition(u.name, u.password) for u in self.users.values()],
             "vhosts": [{"name": self.vhost}],
-            # Everybody may publish and consume in the vhost: authority is the fleet's to enforce, from the
-            # broker-validated user_id, not the broker's permissions.
-            "permissions": [full_rights(who, self.vhost) for who in (admin, *(u.name for u in self.users.values()))],
+            "permissions": permissions,
+            "topic_permissions": topic_permissions,
         }
         with tempfile.TemporaryDirectory() as folder:
             path = write_definitions(Path(folder), definitions)

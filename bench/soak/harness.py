@@ -167,7 +167,8 @@ async def soak(options: Options, say: Say) -> Report:
         say(f"undid outages left by a harness that died: {undone}")
     ledger = Ledger(seed=seed)
     tag = f"{seed}_{uuid.uuid4().hex[:6]}"
-    env = SoakEnv.new(tag)
+    scopes = [Scope(app=f"soak-{seed % 1000}", tenant=f"t{i}") for i in range(SCOPE_COUNT)]
+    env = SoakEnv.new(tag, scopes, Scope(app=FOREIGN_APP, tenant="mallory"))
     logdir = Path(tempfile.mkdtemp(prefix=f"intermission-soak-{tag}-"))
     say(
         f"soak {profile.name}: seed {seed}, {profile.runs} runs over {profile.load_seconds:.0f} s, "
@@ -201,8 +202,10 @@ async def soak(options: Options, say: Say) -> Report:
             shutdown_grace=SHUTDOWN_GRACE,
         )
         worker_env["INTERMISSION_DELIVERY_LIMIT"] = str(DELIVERY_LIMIT)
+        # The sweepers publish their run.expire commands as an identity of their own.
+        sweeper_env = {**worker_env, "INTERMISSION_AMQP_URL": env.amqp_url("sweeper")}
         pool = ProcessPool(
-            worker_env,
+            {"worker": worker_env, "sweeper": sweeper_env},
             logdir,
             workers=profile.workers,
             sweepers=profile.sweepers,
@@ -215,7 +218,6 @@ async def soak(options: Options, say: Say) -> Report:
         setup_seconds = time.monotonic() - began
         say(f"setup took {setup_seconds:.1f} s; load begins")
 
-        scopes = [Scope(app=f"soak-{seed % 1000}", tenant=f"t{i}") for i in range(SCOPE_COUNT)]
         hard_end = began + setup_seconds + profile.load_seconds + profile.drain_seconds + 60.0
         sender = Sender(lambda: hard_end)
         async with AsyncExitStack() as stack:
@@ -231,12 +233,12 @@ async def soak(options: Options, say: Say) -> Report:
                 rng=seeded(seed, "actors"),
             )
             listeners: list[asyncio.Task[None]] = []
+            # Each host hears its own scope, from the durable queue named after it (<user>.<app>.<tenant>:
+            # a confined user may declare only queues named <user>.*); the bus hears every scope's asks.
             for scope in scopes:
-                subscription = await stack.enter_async_context(
-                    actors.host.subscribe(scope, durable_queue=f"soak.host.{scope.app}.{scope.tenant}")
-                )
+                subscription = await stack.enter_async_context(actors.hosts[scope].subscribe(scope))
                 listeners.append(asyncio.create_task(sim.host_loop(subscription), name=f"host:{scope}"))
-            bus_subscription = await stack.enter_async_context(actors.bus.subscribe(durable_queue="soak.bus"))
+            bus_subscription = await stack.enter_async_context(actors.bus.subscribe())
             listeners.append(asyncio.create_task(sim.bus_loop(bus_subscription), name="bus"))
             try:
                 drained = await _load_and_drain(profile, seed, ledger, env, observer, sim, pool, servers, say, hard_end)

@@ -5,11 +5,14 @@
   ``INTERMISSION_CRASH_AT`` at one of the worker's crash points (it kills itself there), terminating the
   soak database's backends, and (one per deck, in turn) a RabbitMQ ``stop_app``/``start_app``, a
   PostgreSQL stop/start of 30 s (a managed failover's length) or a short one.
-- Command faults: malformed, hostile (nested 5,000 deep, a 250-byte message id, a header that is not
-  UTF-8, numbers past what the database holds) and oversized commands, an unknown run, duplicates and
-  reordered commands, answers at a foreign scope, replies from users who are not the bus, decisions from
-  non-approvers, answers of the wrong kind, mismatched results, re-used message ids, starts over ended runs and cancels
-  of ended runs. Those that need a live pause or an ended run are posted as wishes to the actors.
+- Command faults: malformed (a body acting in another scope than its key's among them), hostile (nested
+  5,000 deep, a 250-byte message id, a header that is not UTF-8, numbers past what the database holds) and
+  oversized commands, an unknown run, duplicates and reordered commands, mallory's reach for another
+  tenant's pause (keyed for the victim's scope: refused by the broker; keyed for its own with the victim's
+  body: forbidden; the victim's run named in its own scope: not found), replies from users who are not the
+  bus, decisions from non-approvers, answers of the wrong kind, mismatched results, re-used message ids,
+  starts over ended runs and cancels of ended runs. Those that need a live pause or an ended run are posted
+  as wishes to the actors.
 """
 
 from __future__ import annotations
@@ -43,12 +46,17 @@ LIGHT = (
 HEAVY = ("rabbitmq_restart", "pg_outage_long", "pg_restart")
 # The crash points a worker process reaches (after_claim is the in-process control's, not the consumers').
 CRASH_POINTS = (points.AFTER_COMMIT, points.AFTER_STARTED, points.BETWEEN_STEPS, points.AFTER_PAUSE)
+# Malformed commands come twice a deck: they need no pause, and their eight variants (taken in turn) should
+# all come up in the short profile.
 COMMAND_DECK = (
+    "malformed_command",
     "malformed_command",
     "hostile_message",
     "oversized_command",
     "unknown_run",
     "foreign_scope_command",
+    "cross_tenant_key",
+    "cross_tenant_body",
     "non_bus_reply",
     "non_approver_decision",
     "wrong_authority",

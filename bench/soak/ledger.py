@@ -36,6 +36,9 @@ class Expect(StrEnum):
     # admitted for its pause is that reply again (its admission is its idempotency record), whatever its
     # message_id and whenever it comes.
     DUPLICATE = "duplicate"
+    # Refused by the BROKER at publish (ACCESS_REFUSED: a confined user keying another scope's command), so
+    # never delivered to the fleet: no effect, no command.rejected event, no dead-lettered copy.
+    BROKER_REFUSES = "broker_refuses"
 
 
 class Fate(StrEnum):
@@ -71,7 +74,8 @@ class SentCommand:
     key: str
     run_id: str | None
     scope: Scope | None
-    # Who published it: host, bus, approver-1, approver-2, mallory, or raw (hand-built bytes).
+    # Who published it: host (the host of its run's scope), bus, an approver's user name, mallory, or raw
+    # (hand-built bytes, on the connection of the host of the scope its key names).
     sender: str
     # Why: start, answer, cancel, or the fault kind that sent it.
     purpose: str
@@ -87,6 +91,12 @@ class SentCommand:
     # A different command was later sent under this message id on purpose (message_id_conflict): the
     # refusal with that code belongs to the other command, not to this one.
     conflicted: bool = False
+    # The routing key it was published under (its scope is the one whose stream hears its refusal).
+    routing_key: str | None = None
+    # Another tenant's scope it reaches for (mallory's forgeries): nothing of it may be heard or applied there.
+    victim: Scope | None = None
+    # The broker's refusal of the publish (ACCESS_REFUSED), when it refused it.
+    refused_by_broker: str | None = None
     note: str = ""
 
     def describe(self) -> str:

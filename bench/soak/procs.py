@@ -1,6 +1,7 @@
 """The fleet under test: worker and sweeper SUBPROCESSES (``python -m tests.support.crash worker`` /
 ``sweeper``: the product's CLI, with the crash points it was told to die at made real),
-configured through ``INTERMISSION_*`` variables only, killed and restarted by the fault injector.
+configured through ``INTERMISSION_*`` variables only, killed and restarted by the fault injector. Each
+kind has an environment of its own: the workers and the sweepers connect as identities of their own.
 
 Each child asks the kernel to SIGKILL it when the harness dies (``PR_SET_PDEATHSIG``), so a killed harness
 leaves no worker behind. Each child's stderr (JSON logs) goes to a file of its own in the run's log folder.
@@ -59,7 +60,7 @@ class Proc:
 class ProcessPool:
     def __init__(
         self,
-        env: Mapping[str, str],
+        envs: Mapping[str, Mapping[str, str]],
         logdir: Path,
         *,
         workers: int,
@@ -68,7 +69,8 @@ class ProcessPool:
         rng: random.Random,
         shutdown_grace: float,
     ) -> None:
-        self._env = dict(env)
+        # The environment of each kind of process ("worker", "sweeper").
+        self._envs = {kind: dict(env) for kind, env in envs.items()}
         self._logdir = logdir
         self._workers = workers
         self._sweepers = sweepers
@@ -89,7 +91,7 @@ class ProcessPool:
     async def _spawn(self, kind: str, *, crash_at: str | None = None, crash_after: int = 0) -> Proc:
         self._count += 1
         name = f"{kind}-{self._count}" + (f"-crash-{crash_at}" if crash_at else "")
-        env = dict(self._env)
+        env = dict(self._envs[kind])
         if crash_at:
             env["INTERMISSION_CRASH_AT"] = crash_at
             env["INTERMISSION_CRASH_AFTER"] = str(crash_after)

@@ -75,7 +75,13 @@ class Report:
             "resumes_per_second": round(stats.get("resumes", 0) / active, 2) if active > 0 else 0.0,
             "commands_sent": len(self.ledger.commands),
             "commands_by_purpose": dict(sorted(Counter(c.purpose for c in self.ledger.commands).items())),
-            "commands_unconfirmed": [c.describe() + f": {c.note}" for c in self.ledger.commands if not c.confirmed],
+            "commands_unconfirmed": [
+                c.describe() + f": {c.note}"
+                for c in self.ledger.commands
+                if not c.confirmed and c.refused_by_broker is None
+            ],
+            # Refused at publish by the broker's permissions (ACCESS_REFUSED): mallory keying another scope.
+            "commands_refused_at_publish": sum(1 for c in self.ledger.commands if c.refused_by_broker is not None),
             "refusals": stats.get("refusals", 0),
             "dead_lettered": stats.get("dead_lettered", 0),
             "event_deliveries": stats.get("event_deliveries", 0),
@@ -111,6 +117,7 @@ class Report:
             f"pauses: {d['pauses']} ({_kv(d['pauses_by_reason'])})",
             f"resumes: {d['resumes']} ({d['resumes_per_second']} per second over load and drain)",
             f"commands sent: {d['commands_sent']} ({_kv(d['commands_by_purpose'])}); "
+            f"refused at publish by the broker: {d['commands_refused_at_publish']}; "
             f"never confirmed by the broker: {len(d['commands_unconfirmed'])}",
             f"refusals: {d['refusals']}; dead-lettered copies: {d['dead_lettered']}; "
             f"event deliveries: {d['event_deliveries']} ({d['redeliveries']} redeliveries); charges: {d['charges']}",

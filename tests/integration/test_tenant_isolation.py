@@ -116,11 +116,14 @@ async def test_the_broker_refuses_a_confined_host_everything_outside_its_scope(
         answer = await refused_binding(url, user, binding, amqp_connect)
         assert "ACCESS_REFUSED" in answer, binding
 
-    # What it was granted works: its own scope's commands and its own events.
+    # What it was granted works: its own scope's commands and its own events, from its durable queue or a
+    # throwaway one (both named after it: <user>.<app>.<tenant>, <user>.exclusive-<hex>).
     async with await HostClient.connect(url, name="confined host") as host:
         await host.cancel(CancelCommand(scope=scope, run_id="run-1"))
-        async with host.subscribe(scope):
-            pass
+        async with host.subscribe(scope) as durable:
+            assert durable.queue_name == f"{user.name}.{scope.app}.{scope.tenant}"
+        async with host.subscribe(scope, exclusive=True) as throwaway:
+            assert throwaway.queue_name.startswith(f"{user.name}.exclusive-")
 
 
 async def test_a_command_keyed_for_one_scope_with_another_scopes_body_is_forbidden_and_told_only_to_its_sender(

@@ -17,6 +17,7 @@ from bench.soak.observe import DeadLetter, Event
 from intermission.schemas.scope import Scope
 
 SCOPE = Scope(app="soak", tenant="t0")
+MALLORY = Scope(app="soak-foreign", tenant="mallory")
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 RUN = "soak-1-00000"
 ANSWER = f"answer:{RUN}:1"
@@ -63,7 +64,19 @@ def world() -> tuple[Ledger, list[Row], dict[str, Any]]:
         (FORGED_REPLY, "run.reply", "mallory", "non_bus_reply", Expect.REJECT, frozenset({"forbidden"})),
     ):
         ledger.sent(
-            SentCommand(mid, key, RUN, SCOPE, sender, purpose, expect, codes=codes, confirmed=True, suspension_id=1)
+            SentCommand(
+                mid,
+                key,
+                RUN,
+                SCOPE,
+                sender,
+                purpose,
+                expect,
+                codes=codes,
+                confirmed=True,
+                suspension_id=1,
+                routing_key=f"{key}.{SCOPE.routing_suffix()}",
+            )
         )
     outbox = [
         outbox_row(1, f"notice.external_tool.{SCOPE.app}.{SCOPE.tenant}", notice_body(), f"start:{RUN}"),
@@ -89,19 +102,24 @@ def world() -> tuple[Ledger, list[Row], dict[str, Any]]:
             {"run_id": RUN, "kind": "completed", "revision": 3, "data": "{}"},
         ],
         "inbox": {
-            f"start:{RUN}": {"message_id": f"start:{RUN}", "routing_key": "run.start", "run_id": RUN},
-            ANSWER: {"message_id": ANSWER, "routing_key": "run.resume", "run_id": RUN},
+            (SCOPE.app, SCOPE.tenant, f"start:{RUN}"): inbox_row(SCOPE, f"start:{RUN}", "run.start"),
+            (SCOPE.app, SCOPE.tenant, ANSWER): inbox_row(SCOPE, ANSWER, "run.resume"),
         },
         "charges": [{"run_id": RUN, "call_id": "call-0-0", "times": 1, "at": [NOW]}],
         "forged": [],
         "rejections": [refusal(FORGED_REPLY, "forbidden")],
-        "dead": [FORGED_REPLY, "forbidden"],
+        # Dead-lettered copies: (message id, x-intermission-error).
+        "dead": [(FORGED_REPLY, "forbidden")],
     }
     return ledger, outbox, db
 
 
-def refusal(mid: str, code: str) -> dict[str, Any]:
-    return {"message_id": mid, "routing_key": "run.reply", "code": code, "detail": code}
+def inbox_row(scope: Scope, mid: str, key: str) -> Row:
+    return {"app": scope.app, "tenant": scope.tenant, "message_id": mid, "routing_key": key, "run_id": RUN}
+
+
+def refusal(mid: str, code: str, scope: Scope = SCOPE) -> dict[str, Any]:
+    return {"message_id": mid, "routing_key": "run.reply", "code": code, "detail": code, "scope": scope.model_dump()}
 
 
 def check(ledger: Ledger, outbox: list[Row], db: dict[str, Any]) -> CheckResult:
@@ -113,14 +131,14 @@ def check(ledger: Ledger, outbox: list[Row], db: dict[str, Any]) -> CheckResult:
         events.append(
             Event(
                 f"rejected:{body['message_id']}",
-                f"command.rejected.{SCOPE.app}.{SCOPE.tenant}",
+                f"command.rejected.{body['scope']['app']}.{body['scope']['tenant']}",
                 None,
                 json.dumps(body),
                 body,
                 1.0,
             )
         )
-    dead = [DeadLetter(db["dead"][0], None, "run.reply", db["dead"][1], None, 10, RUN, 1.0)] if db["dead"] else []
+    dead = [DeadLetter(mid, None, "run.reply", code, None, 10, RUN, 1.0) for mid, code in db["dead"]]
     snap = Snapshot(
         now=NOW,
         runs=cast("Any", db["runs"]),
@@ -154,7 +172,7 @@ def _double_charge(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> N
 
 def _refused_answer(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> None:
     db["rejections"] = [refusal(ANSWER, "not_suspended")]
-    db["dead"] = [ANSWER, "not_suspended"]
+    db["dead"] = [(ANSWER, "not_suspended")]
 
 
 def _second_effect(_ledger: Ledger, outbox: list[Row], _db: dict[str, Any]) -> None:
@@ -184,7 +202,7 @@ def _unrefused_forgery(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) 
 
 def _refused_for_the_wrong_reason(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> None:
     db["rejections"] = [refusal(FORGED_REPLY, "not_suspended")]
-    db["dead"] = [FORGED_REPLY, "not_suspended"]
+    db["dead"] = [(FORGED_REPLY, "not_suspended")]
 
 
 @pytest.mark.parametrize(
@@ -250,3 +268,111 @@ def test_a_stale_bus_reply_that_was_refused_is_reported() -> None:
     db["rejections"].append(refusal(STALE_REPLY, "run_conflict"))
     found = [str(v) for v in check(ledger, outbox, db).violations if v.invariant == "one_effect_per_command"]
     assert any("expected no effect and no refusal (a duplicate)" in v for v in found), found
+
+
+def _answer_recorded_at_another_scope(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> None:
+    del db["inbox"][(SCOPE.app, SCOPE.tenant, ANSWER)]
+    db["inbox"][(MALLORY.app, MALLORY.tenant, ANSWER)] = inbox_row(MALLORY, ANSWER, "run.resume")
+
+
+def _refusal_told_to_the_body_scope(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> None:
+    db["rejections"] = [refusal(FORGED_REPLY, "forbidden", scope=MALLORY)]
+
+
+def _legit_answer_refused_at_publish(ledger: Ledger, _outbox: list[Row], _db: dict[str, Any]) -> None:
+    ledger.commands[1].refused_by_broker = "ACCESS_REFUSED - write access to topic refused"
+
+
+@pytest.mark.parametrize(
+    ("breakage", "invariant", "words"),
+    [
+        (_answer_recorded_at_another_scope, "one_effect_per_command", "an inbox record at soak-foreign/mallory"),
+        (_refusal_told_to_the_body_scope, "scope_and_authority", "its refusals under command.rejected.soak.t0"),
+        (_legit_answer_refused_at_publish, "one_effect_per_command", "expected taken by the broker"),
+    ],
+)
+def test_inbox_records_and_refusals_are_judged_per_scope(breakage: Breakage, invariant: str, words: str) -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    breakage(ledger, outbox, db)
+    found = [str(v) for v in check(ledger, outbox, db).violations if v.invariant == invariant]
+    assert any(words in v for v in found), found
+
+
+KEYED_FOR_THE_VICTIM = "cross_tenant_key:0000000000000001"
+BODY_OF_THE_VICTIM = "cross_tenant_body:0000000000000002"
+
+
+def _with_mallorys_forgeries(ledger: Ledger, db: dict[str, Any]) -> None:
+    """Mallory, confined to its own scope, reaches for the run's pause both ways: keyed for the victim's
+    scope (the broker refuses the publish), and keyed for its own with the victim's body (forbidden, told
+    to mallory's scope)."""
+    ledger.sent(
+        SentCommand(
+            KEYED_FOR_THE_VICTIM,
+            "run.resume",
+            RUN,
+            SCOPE,
+            "mallory",
+            "cross_tenant_key",
+            Expect.BROKER_REFUSES,
+            suspension_id=1,
+            routing_key=f"run.resume.{SCOPE.routing_suffix()}",
+            victim=SCOPE,
+            refused_by_broker="ACCESS_REFUSED - write access to topic 'run.resume.soak.t0' refused",
+        )
+    )
+    ledger.sent(
+        SentCommand(
+            BODY_OF_THE_VICTIM,
+            "run.resume",
+            RUN,
+            SCOPE,
+            "mallory",
+            "cross_tenant_body",
+            Expect.REJECT,
+            codes=frozenset({"forbidden"}),
+            confirmed=True,
+            suspension_id=1,
+            routing_key=f"run.resume.{MALLORY.routing_suffix()}",
+            victim=SCOPE,
+        )
+    )
+    db["rejections"].append(refusal(BODY_OF_THE_VICTIM, "forbidden", scope=MALLORY))
+    db["dead"].append((BODY_OF_THE_VICTIM, "forbidden"))
+
+
+def test_mallorys_forgeries_refused_by_the_broker_and_in_its_own_scope_are_no_violation() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_mallorys_forgeries(ledger, db)
+    result = check(ledger, outbox, db)
+    assert result.violations == []
+    assert result.stats["refused_by_the_broker"] == 1
+
+
+def test_a_forgery_the_broker_took_is_reported() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_mallorys_forgeries(ledger, db)
+    keyed = ledger.commands[-2]
+    keyed.refused_by_broker, keyed.confirmed = None, True
+    found = [str(v) for v in check(ledger, outbox, db).violations]
+    assert any("expected refused by the broker at publish (ACCESS_REFUSED); found confirmed" in v for v in found), found
+
+
+def test_a_forgery_refused_at_publish_that_had_an_effect_is_reported() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_mallorys_forgeries(ledger, db)
+    db["inbox"][(SCOPE.app, SCOPE.tenant, KEYED_FOR_THE_VICTIM)] = inbox_row(SCOPE, KEYED_FOR_THE_VICTIM, "run.resume")
+    found = [str(v) for v in check(ledger, outbox, db).violations]
+    assert any("expected never delivered: no effect" in v for v in found), found
+    assert any("expected no inbox record of it in any scope; found records at ['soak/t0']" in v for v in found), found
+
+
+def test_a_forgery_refused_in_the_victims_scope_is_reported() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_mallorys_forgeries(ledger, db)
+    db["rejections"][-1] = refusal(BODY_OF_THE_VICTIM, "forbidden", scope=SCOPE)
+    found = [str(v) for v in check(ledger, outbox, db).violations if v.invariant == "scope_and_authority"]
+    assert any(
+        "expected nothing of it heard in soak/t0's events; found ['command.rejected.soak.t0']" in v for v in found
+    )
+    assert any("expected its refusals under command.rejected.soak-foreign.mallory" in v for v in found), found

@@ -1,6 +1,8 @@
 """The short soak (bench/soak) as part of the suite: workers and sweepers as subprocesses under random faults
 (kills, crash points, RabbitMQ and PostgreSQL outages, bad and forged commands) against the real servers,
-then every invariant of docs/invariants.md checked on everything that happened.
+then every invariant of docs/invariants.md checked on everything that happened. Its hosts, approvers and
+mallory are RabbitMQ users confined to their scopes by the broker; the workers, the sweepers and the bus
+have identities of their own.
 
 It asserts counts, never wall-clock figures: enough runs and faults to mean something, and no violation.
 The seed is random (``INTERMISSION_SOAK_SEED`` fixes it) and printed, so a failure can be replayed with
@@ -67,9 +69,14 @@ def test_the_short_soak_breaks_no_invariant(tmp_path: Path) -> None:
         "rabbitmq_restart",
         "pg_terminate_backends",
         "hostile_message",
+        # Mallory, confined to its own scope, keying a command for another tenant's (the broker refuses it)
+        # and keying one for itself with that tenant's body (the worker refuses it, telling mallory only).
+        "cross_tenant_key",
+        "cross_tenant_body",
     )
     for kind in kinds:
         assert report["faults_by_kind"].get(kind, 0) > 0, (kind, report["faults_by_kind"])
+    assert report["commands_refused_at_publish"] > 0, tail
     # The 30 s outage needs a local cluster to stop (the harness notes it when there is none).
     no_cluster = any("no local PostgreSQL cluster" in note for note in report["notes"])
     assert no_cluster or report["faults_by_kind"].get("pg_outage_long", 0) > 0, report["faults_by_kind"]
