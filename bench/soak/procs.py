@@ -281,6 +281,10 @@ def worker_environment(
             "INTERMISSION_PUBLISH_TIMEOUT_SECONDS": "5",
             "INTERMISSION_POOL_MAX_SIZE": "5",
             "INTERMISSION_LOG_LEVEL": "WARNING",
+            # The checker reads every event the soak caused from the outbox at the end (one Notice per
+            # pause), so sent rows are kept for the soak's length; the sweepers still run their prune loop
+            # (inbox records and ended runs are kept longer than any soak by the defaults).
+            "INTERMISSION_OUTBOX_RETENTION_SECONDS": str(7 * 86400),
         }
     )
     return env
