@@ -19,7 +19,14 @@ import pytest
 from intermission.fleet.settings import Settings
 from intermission.integrations.pydantic_ai import OUTCOME_UNKNOWN, decode
 from intermission.publishers.clients import BusClient, HostClient, Received, Subscription, version_of
-from intermission.schemas.commands import DecideCommand, Decision, ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.commands import (
+    CancelCommand,
+    DecideCommand,
+    Decision,
+    ResumeCommand,
+    StartCommand,
+    ToolAnswer,
+)
 from intermission.schemas.config import RunConfig
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.llm import Role
@@ -348,3 +355,43 @@ async def test_the_pause_stores_a_versioned_envelope_and_the_projected_messages(
     assert [m.role for m in s.continuation.messages] == [Role.USER, Role.ASSISTANT, Role.TOOL]
     assert s.continuation.step_index == 1
     assert OUTCOME_UNKNOWN not in json.dumps(env.history)
+
+
+async def test_the_same_decision_sent_twice_has_one_effect(
+    stores: Stores, scope: Scope, pyd_worker: WorkerProcess, host: HostClient
+) -> None:
+    cmd = start(scope, plan([["send_payment", {"to": "bob", "amount": 5}]], "done: {results}"))
+    async with host.subscribe(scope) as events:
+        start_id = await host.start(cmd)
+        assert await host.start(cmd, message_id=start_id) == start_id  # a re-sent start: no second run
+        n = await notice(events, cmd.run_id)
+        assert n.checkpoint_id is not None
+        decision = DecideCommand(
+            scope=scope, version=version_of(n), checkpoint_id=n.checkpoint_id, decision=Decision.APPROVE
+        )
+        decide_id = await host.decide(decision)
+        await host.decide(decision, message_id=decide_id)
+        done = await ended(events, cmd.run_id)
+    assert done.kind is RunEventKind.COMPLETED, done
+    assert await charges(stores, cmd.run_id) == {"send_payment-0-0": 1}
+    keys = await outbox_keys(stores, scope, cmd.run_id)
+    assert keys.count(f"run.resumed.{scope.app}.{scope.tenant}") == 1
+    assert keys.count(f"run.completed.{scope.app}.{scope.tenant}") == 1
+    async with stores.db.connection() as con:
+        recorded = await con.raw.fetch("SELECT message_id FROM inbox WHERE run_id = $1", cmd.run_id)
+    assert sorted(r["message_id"] for r in recorded) == sorted([start_id, decide_id])
+
+
+async def test_a_paused_run_cancelled_ends_cancelled_with_its_own_messages(
+    stores: Stores, scope: Scope, pyd_worker: WorkerProcess, host: HostClient
+) -> None:
+    cmd = start(scope, plan([["lookup", {"query": "q"}]], "done"))
+    async with host.subscribe(scope) as events:
+        await host.start(cmd)
+        await notice(events, cmd.run_id)
+        await host.cancel(CancelCommand(scope=scope, run_id=cmd.run_id, reason="no longer needed"))
+        done = await ended(events, cmd.run_id)
+    assert (done.kind, done.error) == (RunEventKind.CANCELLED, "no longer needed")
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
+    assert run.state is RunState.CANCELLED
+    assert [m.role for m in await stores.at(scope).sessions.load(cmd.run_id)] == [Role.USER, Role.ASSISTANT]
