@@ -84,8 +84,10 @@ from intermission.schemas.errors import (
     BudgetExhausted,
     InvalidContinuation,
     MaxStepsReached,
+    MaxTokensExceeded,
     MaxToolCallsReached,
     PublicationBlocked,
+    UnsupportedConfig,
 )
 from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome, Usage
 from intermission.schemas.suspension import Continuation, Ending, PendingCall, Progress, ProgressResult, SuspendReason
@@ -260,8 +262,18 @@ class PydanticAIExecutor:
         if not cont.prepared:
             state = await self._begin(ctx)
             prompt = ctx.run.input
-            if state.cont.config.max_steps <= 0:
-                await self._fail(ctx, state, f"{InvalidContinuation.code}: max_steps is {state.cont.config.max_steps}")
+            config = state.cont.config
+            if config.max_steps <= 0:
+                await self._fail(ctx, state, f"{InvalidContinuation.code}: max_steps is {config.max_steps}")
+            if config.context is not None and config.context.max_messages:
+                # Not silently ignored (docs/invariants.md, 20): this executor shows the agent its whole
+                # history; a window belongs in the agent (a pydantic-ai history processor).
+                await self._fail(
+                    ctx,
+                    state,
+                    f"{UnsupportedConfig.code}: context.max_messages is not applied by the pydantic-ai executor; "
+                    "give the agent a history processor instead",
+                )
         else:
             env = decode(cont.prepared)
             state = _State(
@@ -439,6 +451,8 @@ class PydanticAIExecutor:
     async def _turn(self, ctx: RunContext, state: _State, messages: list[ModelMessage], usage: RunUsage) -> None:
         """A model turn arrived (or a takeover is shown a saved one again): save it before its calls run."""
         turn = _last_response(messages)
+        # Counted first: a turn refused below still cost its tokens and its step.
+        self._advance(state, messages, usage)
         if turn != state.env.turn:
             # A new turn: its ledger starts empty. The SAME turn again (a takeover, a resume) keeps the
             # saved ledger: resetting it there would run a started non-retry-safe call a second time.
@@ -446,6 +460,16 @@ class PydanticAIExecutor:
             state.env = state.env.model_copy(update={"turn": turn, "batch": [], "answers": []})
             response = messages[turn]
             assert isinstance(response, ModelResponse)
+            limit = state.cont.config.max_tokens
+            if limit and response.usage.output_tokens > limit:
+                # The model was told the limit; a turn past it is not used (nor kept), whatever it says.
+                await self._fail(
+                    ctx,
+                    state,
+                    f"{MaxTokensExceeded.code}: the model's turn took {response.usage.output_tokens} output tokens; "
+                    f"a turn may take {limit}",
+                    messages=messages[:turn],
+                )
             if state.cont.config.publication.blocks(_published_text(response)):
                 # Nothing of the turn goes out: no call runs, no Notice, nothing into the session.
                 await self._fail(
@@ -454,7 +478,6 @@ class PydanticAIExecutor:
                     f"{PublicationBlocked.code}: the model's turn holds a term the run's publication policy blocks",
                     messages=messages[:turn],
                 )
-        self._advance(state, messages, usage)
         await ctx.save_progress(state.snapshot(ctx))
         points.reach(points.BETWEEN_STEPS)
         await ctx.boundary()

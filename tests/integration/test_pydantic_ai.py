@@ -27,7 +27,7 @@ from intermission.schemas.commands import (
     StartCommand,
     ToolAnswer,
 )
-from intermission.schemas.config import RunConfig
+from intermission.schemas.config import ContextPolicy, PublicationPolicy, RunConfig
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.llm import Role
 from intermission.schemas.run import RunState
@@ -88,10 +88,12 @@ async def notice(events: Subscription[Any], run_id: str, after: Notice | None = 
     return received.event
 
 
-async def ended(events: Subscription[Any], run_id: str) -> RunEvent:
+async def ended(events: Subscription[Any], run_id: str | Callable[[str], bool]) -> RunEvent:
+    """The end of the run ``run_id`` (or of the first run the predicate accepts)."""
     terminal = {RunEventKind.COMPLETED, RunEventKind.FAILED, RunEventKind.CANCELLED}
+    wanted = run_id if callable(run_id) else run_id.__eq__
     received = await next_event(
-        events, lambda r: isinstance(r.event, RunEvent) and r.event.run_id == run_id and r.event.kind in terminal
+        events, lambda r: isinstance(r.event, RunEvent) and wanted(r.event.run_id) and r.event.kind in terminal
     )
     assert isinstance(received.event, RunEvent)
     return received.event
@@ -395,3 +397,45 @@ async def test_a_paused_run_cancelled_ends_cancelled_with_its_own_messages(
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.CANCELLED
     assert [m.role for m in await stores.at(scope).sessions.load(cmd.run_id)] == [Role.USER, Role.ASSISTANT]
+
+
+async def test_the_runs_publication_policy_and_max_tokens_hold(
+    stores: Stores, scope: Scope, pyd_worker: WorkerProcess, host: HostClient
+) -> None:
+    blocked = start(
+        scope,
+        plan([["echo", {"text": "x"}]], "the secret plan"),
+        config=RunConfig(publication=PublicationPolicy(blocked_terms=["SECRET"])),
+    )
+    wordy = start(scope, plan("one two three four five six seven eight"), config=RunConfig(max_tokens=3))
+    async with host.subscribe(scope) as events:
+        await host.start(blocked)
+        await host.start(wordy)
+        # Whichever ends first: one subscription hears both, so neither end may be skipped over.
+        seen: dict[str, RunEvent] = {}
+        while len(seen) < 2:
+            event = await ended(events, lambda run_id: run_id in {blocked.run_id, wordy.run_id})
+            seen[event.run_id] = event
+        refused, long = seen[blocked.run_id], seen[wordy.run_id]
+    assert refused.kind is RunEventKind.FAILED
+    assert refused.error is not None
+    assert refused.error.startswith("publication_blocked: ")
+    assert refused.output is None
+    kept = await stores.at(scope).sessions.load(blocked.run_id)
+    assert all("secret" not in m.content for m in kept if m.role is Role.ASSISTANT)  # the refused turn is not kept
+    assert [m.role for m in kept] == [Role.USER, Role.ASSISTANT, Role.TOOL]
+    assert long.kind is RunEventKind.FAILED
+    assert long.error is not None
+    assert long.error.startswith("max_tokens_exceeded: the model's turn took ")
+
+
+async def test_a_context_window_is_refused_rather_than_ignored(
+    stores: Stores, scope: Scope, pyd_worker: WorkerProcess, host: HostClient
+) -> None:
+    cmd = start(scope, "hello", config=RunConfig(context=ContextPolicy(max_messages=4)))
+    async with host.subscribe(scope) as events:
+        await host.start(cmd)
+        done = await ended(events, cmd.run_id)
+    assert done.kind is RunEventKind.FAILED
+    assert done.error is not None
+    assert done.error.startswith("unsupported_config: context.max_messages")
