@@ -112,3 +112,11 @@ def test_nothing_but_the_integration_imports_pydantic_ai() -> None:
         )
     ]
     assert offenders == []
+
+
+def test_the_readme_shows_the_example_agent_module_the_tests_run() -> None:
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    section = readme.split("## A pydantic-ai agent\n", 1)[1].split("\n## ", 1)[0]
+    module = (root / "tests" / "examples" / "pydantic_ai_agent.py").read_text()
+    assert f"```python\n{module}```\n" in section
