@@ -145,11 +145,19 @@ class DeferredCall(_Strict):
     metadata: dict[str, Any] = {}
 
 
+_Outcome = Literal["approved", "denied", "completed", "failed"]
+_OUTCOMES: dict[ToolOutcome, _Outcome] = {
+    ToolOutcome.DENIED: "denied",
+    ToolOutcome.FAILED: "failed",
+    ToolOutcome.COMPLETED: "completed",
+}
+
+
 class Answer(_Strict):
     """An answer collected for a call of the open batch."""
 
     call_id: str
-    outcome: Literal["approved", "denied", "completed", "failed"]
+    outcome: _Outcome
     text: str = ""
 
 
@@ -323,12 +331,8 @@ class PydanticAIExecutor:
             # A result for a call not yet answered is this claim's answer; one for an answered call is
             # the ledger of an approved call that ran in an earlier attempt of this segment.
             if result.call_id in batch_ids and result.call_id not in answered:
-                outcome = {
-                    ToolOutcome.DENIED: "denied",
-                    ToolOutcome.FAILED: "failed",
-                    ToolOutcome.COMPLETED: "completed",
-                }[result.outcome]
-                new.append(Answer(call_id=result.call_id, outcome=outcome, text=result.error or result.content))  # type: ignore[arg-type]
+                outcome = _OUTCOMES[result.outcome]
+                new.append(Answer(call_id=result.call_id, outcome=outcome, text=result.error or result.content))
                 answered.add(result.call_id)
             else:
                 ledger.append(result)
