@@ -203,3 +203,35 @@ async def test_killed_right_after_a_pause_committed(
     assert done.output.endswith("; lookup=42")
     assert await charges(stores, cmd.run_id) == {"charge-0-0": 1}
     await assert_ended_once(stores, scope, cmd.run_id)
+
+
+async def test_killed_between_a_resumes_commit_and_its_acknowledgement(
+    stores: Stores, scope: Scope, settings: Settings, host: HostClient, tmp_path: Path
+) -> None:
+    # The start's commit passes; the resume's kills: its claim and first snapshot (the host's answer) are
+    # committed, its message is not acknowledged and comes again to the survivor.
+    cmd = start(scope, [["lookup", {"query": "q"}]], [["charge", {"amount": 3}]], "done: {results}")
+    async with host.subscribe(scope) as events:
+        async with crashing(settings, tmp_path, points.AFTER_COMMIT, after=1):
+            await host.start(cmd)
+            n = await next_event(events, notice_of(cmd.run_id))
+            resume_id = await host.resume(
+                ResumeCommand(
+                    scope=scope, version=version_of(n), results=[ToolAnswer(call_id=n.pending[0].id, content="42")]
+                )
+            )
+        assert await running_with_started(stores, scope, cmd.run_id) == []
+        progress = await stores.at(scope).progress.get_progress(cmd.run_id)
+        assert [(r.call_id, r.content) for r in progress.done] == [("lookup-0-0", "42")]
+        async with survivor(settings, tmp_path):
+            done = await next_event(events, end_of(cmd.run_id))
+    assert done.output is not None
+    assert done.output.startswith("done: charge=receipt ")
+    assert await charges(stores, cmd.run_id) == {"charge-1-0": 1}
+    await assert_ended_once(stores, scope, cmd.run_id)
+    keys = await outbox_keys(stores, scope, cmd.run_id)
+    assert keys.count(f"run.resumed.{scope.app}.{scope.tenant}") == 1  # one effect, for two deliveries
+    async with stores.db.connection() as con:
+        assert await con.raw.fetchval("SELECT count(*) FROM inbox WHERE message_id = $1", resume_id) == 1
+    session = await stores.at(scope).sessions.load(cmd.run_id)
+    assert next((m.tool_call_id, m.content) for m in session if m.role is Role.TOOL) == ("lookup-0-0", "42")
