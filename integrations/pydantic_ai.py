@@ -283,7 +283,14 @@ class PydanticAIExecutor:
                     "give the agent a history processor instead",
                 )
         else:
-            env = decode(cont.prepared)
+            try:
+                env = decode(cont.prepared)
+            except InvalidContinuation as exc:
+                # Not this executor's state (another executor's, or an envelope version this code does not
+                # know): the run cannot continue, and says why.
+                own = cont.messages[cont.new_messages_from :]
+                await ctx.fail(f"{InvalidContinuation.code}: {exc}", own, continuation=cont)
+                return
             state = _State(
                 cont=cont,
                 env=env,

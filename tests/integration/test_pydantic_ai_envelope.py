@@ -97,3 +97,31 @@ async def test_a_stored_version_1_envelope_resumes_to_the_end(stores: Stores, sc
 def checkpoint_of(s: Suspension) -> int:
     assert s.checkpoint_id is not None
     return s.checkpoint_id
+
+
+async def test_an_envelope_of_an_unknown_version_fails_the_run_as_invalid_continuation(
+    stores: Stores, scope: Scope, database_url: str
+) -> None:
+    settings = fast_settings(database_url, executor="tests.examples.pydantic_ai_agent:executor")
+    fleet = Fleet(stores, settings, load_executor(settings.executor))
+    control = LocalControl(fleet)
+    cmd = start_command(scope, [], input=json.dumps([[["lookup", {"query": "q"}]], "done"]), agent_id="pydantic-ai")
+    await control.start(cmd)
+    await fleet.drain()
+    s, version = await pinned(stores, scope, cmd.run_id)
+    later = {**json.loads(s.continuation.prepared), "version": 2}
+    async with stores.db.connection() as con:
+        await con.raw.execute(
+            "UPDATE suspensions SET continuation = jsonb_set(continuation, '{prepared}', to_jsonb($1::text)) "
+            "WHERE run_id = $2",
+            base64.b64encode(json.dumps(later).encode()).decode(),
+            cmd.run_id,
+        )
+    await control.resume(
+        ResumeCommand(scope=scope, version=version, results=[ToolAnswer(call_id="lookup-0-0", content="x")])
+    )
+    await fleet.drain()
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
+    assert run.state is RunState.FAILED
+    assert run.error == "invalid_continuation: pydantic-ai envelope version 2 is not 1"
+    await fleet.stop(grace=1)
