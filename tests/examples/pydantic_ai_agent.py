@@ -10,6 +10,7 @@ must never run twice, and book every run of theirs in the demo ledger (``demo_ch
 
 from __future__ import annotations
 
+import asyncio
 from decimal import Decimal
 
 from pydantic import BaseModel
@@ -71,6 +72,13 @@ async def fetch(url: str) -> str:
 async def ask_pricer(question: str) -> str:
     """Asks the pricing agent; the messaging bus brings its reply (pauses `agent_reply`)."""
     raise ask_agent("pricer")
+
+
+@agent.tool_plain
+async def wait(seconds: float) -> str:
+    """Waits up to 10 seconds (runs here, retry-safe)."""
+    await asyncio.sleep(min(max(seconds, 0.0), 10.0))
+    return "waited"
 
 
 @agent.tool_plain

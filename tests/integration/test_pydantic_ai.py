@@ -35,6 +35,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Notice, SuspendReason
 from intermission.store import Stores
 from tests.support.fleet import charges, outbox_keys, suspension_count
+from tests.support.waiting import eventually
 from tests.support.worker_process import WorkerProcess, worker_process
 
 WAIT = 30.0
@@ -439,3 +440,26 @@ async def test_a_context_window_is_refused_rather_than_ignored(
     assert done.kind is RunEventKind.FAILED
     assert done.error is not None
     assert done.error.startswith("unsupported_config: context.max_messages")
+
+
+async def test_a_running_run_cancelled_ends_at_its_next_boundary_before_its_next_call(
+    stores: Stores, scope: Scope, pyd_worker: WorkerProcess, host: HostClient
+) -> None:
+    cmd = start(scope, plan([["wait", {"seconds": 3}]], [["charge", {"amount": 1}]], "done"))
+    async with host.subscribe(scope) as events:
+        await host.start(cmd)
+
+        async def turn_saved() -> bool:
+            async with stores.db.connection() as con:
+                return bool(await con.raw.fetchval("SELECT count(*) FROM progress WHERE run_id = $1", cmd.run_id))
+
+        # The first turn is saved and its wait is running: the cancel reaches a running run.
+        await eventually(turn_saved, within=WAIT, what="the first turn saved")
+        await host.cancel(CancelCommand(scope=scope, run_id=cmd.run_id, reason="stop now"))
+        done = await ended(events, cmd.run_id)
+    assert (done.kind, done.error) == (RunEventKind.CANCELLED, "stop now")
+    assert await charges(stores, cmd.run_id) == {}  # the next turn's call never ran
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
+    assert run.state is RunState.CANCELLED
+    keys = await outbox_keys(stores, scope, cmd.run_id)
+    assert keys.count(f"run.cancelled.{scope.app}.{scope.tenant}") == 1
