@@ -235,3 +235,37 @@ async def test_killed_between_a_resumes_commit_and_its_acknowledgement(
         assert await con.raw.fetchval("SELECT count(*) FROM inbox WHERE message_id = $1", resume_id) == 1
     session = await stores.at(scope).sessions.load(cmd.run_id)
     assert next((m.tool_call_id, m.content) for m in session if m.role is Role.TOOL) == ("lookup-0-0", "42")
+
+
+async def test_sigterm_releases_the_run_at_its_next_boundary_and_another_worker_continues_it(
+    stores: Stores, scope: Scope, settings: Settings, host: HostClient, tmp_path: Path
+) -> None:
+    cmd = start(scope, [["wait", {"seconds": 1}]], [["charge", {"amount": 4}]], "done: {results}")
+    async with host.subscribe(scope) as events:
+        async with worker_process(settings, EXECUTOR, tmp_path / "stopped.log") as first:
+
+            async def turn_saved() -> bool:
+                async with stores.db.connection() as con:
+                    found = await con.raw.fetchval("SELECT count(*) FROM progress WHERE run_id = $1", cmd.run_id)
+                return bool(found)
+
+            await host.start(cmd)
+            await eventually(turn_saved, within=WAIT, what="the first turn saved")
+            first.proc.send_signal(signal.SIGTERM)
+            assert await first.died(within=WAIT) == 0, first.stderr()
+        # Released at the boundary after the wait: the lease is gone, the next turn not begun.
+        run = await stores.at(scope).runs.get_run(cmd.run_id)
+        assert run.state is RunState.RUNNING
+        progress = await stores.at(scope).progress.get_progress(cmd.run_id)
+        assert (progress.continuation.step_index, progress.started) == (1, [])
+        async with stores.db.connection() as con:
+            assert await con.raw.fetchval("SELECT lease_expires_at <= now() FROM runs WHERE id = $1", cmd.run_id)
+        assert await charges(stores, cmd.run_id) == {}
+        async with survivor(settings, tmp_path):
+            done = await next_event(events, end_of(cmd.run_id))
+    assert done.output is not None
+    assert done.output.startswith("done: charge=receipt ")
+    assert await charges(stores, cmd.run_id) == {"charge-1-0": 1}
+    run = await stores.at(scope).runs.get_run(cmd.run_id)
+    assert run.step_count == 3  # no turn was asked of the model twice
+    await assert_ended_once(stores, scope, cmd.run_id)
