@@ -1,7 +1,7 @@
 """Run an OpenAI Agents SDK agent as an Intermission executor, its approvals made durable pauses.
 
 ``OpenAIAgentsExecutor(agent, ...)`` continues one claimed run with the SDK's own ``Runner``. What maps to
-what (docs/integrations-openai-agents.md has the whole table):
+what (docs/integrations.md has the whole table):
 
 - the run's ``input`` is the user input, after the run's session history (converted to SDK items);
 - a tool with ``needs_approval`` interrupts the SDK's run (``result.interruptions``): the run pauses
@@ -260,7 +260,7 @@ def _check_agent(agent: Agent[Any]) -> None:
     if agent.tool_use_behavior != "run_llm_again":
         raise UnsupportedAgent(
             "tool_use_behavior must be 'run_llm_again': external tools (stop_at_tool_names, stop_on_first_tool) "
-            "are not supported by this integration (docs/integrations-openai-agents.md, 'External tools')"
+            "are not supported by this integration (docs/integrations.md, 'External tools: left out, and why')"
         )
     if agent.handoffs:
         raise UnsupportedAgent("handoffs are not supported: the other agents' turns would not be durable")
