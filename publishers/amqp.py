@@ -347,20 +347,21 @@ async def connect(
     # The first connect fails fast (aio-pika's fail_fast), so a node that accepts TCP but fails the
     # handshake would fail the start: try again, at the next node, once per node.
     for attempt in range(len(nodes)):
+        # Built here rather than by aio_pika.connect_robust, which also copies every keyword argument into
+        # the URL's query string, where a factory object cannot go.
+        connection = NodesConnection(
+            nodes[0],
+            client_properties={"connection_name": name},
+            reconnect_interval=reconnect_interval,
+            transport_factory=factory,
+        )
         try:
-            connection = await aio_pika.connect_robust(
-                nodes[0],
-                client_properties={"connection_name": name},
-                reconnect_interval=reconnect_interval,
-                timeout=attempt_timeout,
-                connection_class=NodesConnection,
-                transport_factory=factory,
-            )
+            await connection.connect(timeout=attempt_timeout)
         except TRANSIENT_AMQP_ERRORS:
+            await connection.close()
             if attempt == len(nodes) - 1:
                 raise
             continue
-        assert isinstance(connection, NodesConnection)
         return connection
     raise AssertionError("unreachable")
 

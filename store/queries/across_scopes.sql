@@ -130,4 +130,4 @@ SELECT *
 -- server_address --
 -- Which server a new pooled connection landed on, for the log line that says when the pool moved to another
 -- host (a multi-host DSN after a failover). NULL address: a Unix socket. No parameters
-SELECT inet_server_addr()::text AS address, inet_server_port() AS port;
+SELECT host(inet_server_addr()) AS address, inet_server_port() AS port;
