@@ -315,7 +315,7 @@ async def connect(
     name: str,
     *,
     reconnect_interval: float = 5.0,
-    connect_timeout: float = 10.0,
+    connect_timeout: float = 5.0,
     offset: int | None = None,
 ) -> NodesConnection:
     """A robust connection named ``name`` (shown in the management UI and ``rabbitmqctl list_connections``).
