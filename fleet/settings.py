@@ -9,6 +9,7 @@ from urllib.parse import unquote, urlsplit
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from intermission.publishers.amqp import AmqpUrlError, amqp_nodes
 from intermission.schemas.limits import MAX_PAUSE_TTL_SECONDS
 
 
@@ -23,8 +24,19 @@ class ManagementAccess:
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="INTERMISSION_", extra="ignore", frozen=True)
 
+    # One server, or several hosts of which asyncpg takes the first that is a primary:
+    # postgresql://user@pg1:5432,pg2:5432/intermission?target_session_attrs=read-write (README: cluster).
     database_url: str = "postgresql://postgres@localhost:5432/intermission"
+    # One database connection attempt, over the WHOLE host list (asyncpg spends one budget on all hosts).
+    database_connect_timeout_seconds: float = Field(default=60.0, gt=0)
+    # One broker, or the nodes of a cluster as one comma-separated list sharing credentials, vhost and
+    # options: amqp://user:pw@rabbit1:5672,rabbit2:5672,rabbit3/vhost (publishers/amqp.py: amqp_nodes).
     amqp_url: str = "amqp://guest:guest@localhost:5672/"
+    # How long one node may take to accept a connection before the next one is tried. Short: a node that
+    # died without a RST (a lost machine) costs this much on every connect that reaches it.
+    amqp_connect_timeout_seconds: float = Field(default=5.0, gt=0)
+    # The wait after a failed (re)connect attempt (every node tried) before the next one.
+    amqp_reconnect_seconds: float = Field(default=5.0, gt=0)
     # The RabbitMQ user whose broker-validated user_id marks a message as the messaging bus's reply.
     bus_user: str = "intermission-bus"
     # Deliveries each command queue's consumer may hold unacknowledged (RabbitMQ's prefetch, per consumer).
@@ -114,6 +126,16 @@ class Settings(BaseSettings):
             password=password if password is not None else unquote(amqp.password or "guest"),
             vhost=unquote(amqp.path[1:]) if len(amqp.path) > 1 else "/",
         )
+
+    @model_validator(mode="after")
+    def _amqp_nodes_parse(self) -> Settings:
+        # A malformed node list stops the process at start, naming the setting, rather than at its first
+        # connect.
+        try:
+            amqp_nodes(self.amqp_url)
+        except AmqpUrlError as exc:
+            raise ValueError(f"INTERMISSION_AMQP_URL: {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _renew_before_lapse(self) -> Settings:

@@ -76,13 +76,23 @@ async def running_worker(
     own_stores = stores is None
     if stores is None:
         # relayed: this process's commits wake its own relay in-process and notify nobody (store/db.py).
-        stores = await Stores.connect(settings.database_url, max_size=settings.pool_max_size, relayed=True)
+        stores = await Stores.connect(
+            settings.database_url,
+            max_size=settings.pool_max_size,
+            relayed=True,
+            connect_timeout=settings.database_connect_timeout_seconds,
+        )
     metrics = WorkerMetrics()
     supervisor = Supervisor(on_restart=lambda task: metrics.task_restarts.labels(task).inc())
     fleet = Fleet(
         stores, settings, executor or load_executor(settings.executor), metrics=metrics, supervisor=supervisor
     )
-    connection = await connect(settings.amqp_url, f"intermission-worker {fleet.owner}")
+    connection = await connect(
+        settings.amqp_url,
+        f"intermission-worker {fleet.owner}",
+        reconnect_interval=settings.amqp_reconnect_seconds,
+        connect_timeout=settings.amqp_connect_timeout_seconds,
+    )
     try:
         channel = await connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=settings.prefetch)
@@ -201,8 +211,15 @@ async def sweep(settings: Settings, stop: asyncio.Event | None = None) -> None:
     """Run the expiry sweeper and the retention pruner until SIGTERM/SIGINT: any number of sweepers may run
     at once."""
     stop = stop or asyncio.Event()
-    stores = await Stores.connect(settings.database_url, max_size=2)
-    connection = await connect(settings.amqp_url, "intermission-sweeper")
+    stores = await Stores.connect(
+        settings.database_url, max_size=2, connect_timeout=settings.database_connect_timeout_seconds
+    )
+    connection = await connect(
+        settings.amqp_url,
+        "intermission-sweeper",
+        reconnect_interval=settings.amqp_reconnect_seconds,
+        connect_timeout=settings.amqp_connect_timeout_seconds,
+    )
     try:
         channel = await connection.channel()
         await declare(channel, delivery_limit=settings.delivery_limit, dead_max_length=settings.dead_max_length)

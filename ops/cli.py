@@ -77,7 +77,12 @@ def run_or_exit(what: str, work: Coroutine[Any, Any, T]) -> T:
 
 async def on_broker(settings: Settings, use: Callable[[AbstractRobustConnection], Awaitable[T]]) -> T:
     """``use`` a connection of the CLI's own to the broker, closed afterwards."""
-    connection = await connect(settings.amqp_url, "intermission-cli")
+    connection = await connect(
+        settings.amqp_url,
+        "intermission-cli",
+        reconnect_interval=settings.amqp_reconnect_seconds,
+        connect_timeout=settings.amqp_connect_timeout_seconds,
+    )
     try:
         return await use(connection)
     finally:

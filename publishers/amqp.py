@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractExchange, AbstractRobustChannel, AbstractRobustConnection
+from aio_pika.abc import AbstractExchange, AbstractRobustChannel, AbstractRobustConnection, ConnectionParameter
 from aiormq.channel import EXCEPTION_MAPPING
 from pamqp.commands import Basic
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
@@ -144,22 +145,225 @@ def backoff(state: RetryCallState) -> dict[str, object]:
     return {"attempt": state.attempt_number, "error": repr(error), "next_seconds": state.upcoming_sleep}
 
 
-def safe_url(url: str) -> str:
-    """The URL without its password, for logs."""
-    parsed = URL(url)
-    return str(parsed.with_password("***")) if parsed.password else str(parsed)
+class AmqpUrlError(ValueError):
+    """An AMQP URL (or list of nodes) that cannot be connected to as written."""
 
 
-async def connect(url: str, name: str, *, reconnect_interval: float = 5.0) -> AbstractRobustConnection:
+def amqp_nodes(url: str) -> list[URL]:
+    """The broker nodes of ``url``: one URL per node, in the order listed.
+
+    ``amqp://user:pw@h1:5672,h2:5673,h3/vhost?params`` lists three nodes of one cluster: they share the
+    credentials, the vhost and the query (a cluster has one user database and one set of vhosts), so only
+    host and port are per node. A node without a port gets the scheme's default. A single URL is one node,
+    parsed by yarl exactly as before.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("amqp", "amqps"):
+        raise AmqpUrlError(f"an AMQP URL starts with amqp:// or amqps://, not {safe_url(url)!r}")
+    # The authority ends at the first "/", "?" or "#" after the credentials; the credentials end at the
+    # LAST "@" of the authority (a password may not hold a raw "/", but yarl and RFC 3986 agree on this).
+    end = len(rest)
+    for mark in "/?#":
+        found = rest.find(mark)
+        if found != -1:
+            end = min(end, found)
+    authority, tail = rest[:end], rest[end:]
+    userinfo, at, hosts = authority.rpartition("@")
+    prefix = f"{scheme}://{userinfo}{at}"
+    default_port = 5671 if scheme == "amqps" else 5672
+    nodes: list[URL] = []
+    for part in hosts.split(","):
+        part = part.strip()
+        # A bracketed IPv6 address without a port ends with "]": its colons are not a port's.
+        has_port = ":" in part and not part.endswith("]")
+        host, colon, port_text = part.rpartition(":") if has_port else (part, "", "")
+        if not host:
+            raise AmqpUrlError(f"empty host in the AMQP node list of {safe_url(url)!r}")
+        if colon and not (port_text.isdigit() and 0 < int(port_text) < 65536):
+            raise AmqpUrlError(f"bad port {port_text!r} for host {host!r} in {safe_url(url)!r}")
+        port = int(port_text) if colon else default_port
+        try:
+            node = URL(f"{prefix}{host}:{port}{tail}")
+        except ValueError as exc:
+            raise AmqpUrlError(f"cannot parse node {host!r} of {safe_url(url)!r}: {exc}") from exc
+        if node.host is None:
+            raise AmqpUrlError(f"no host in node {part!r} of {safe_url(url)!r}")
+        nodes.append(node)
+    return nodes
+
+
+def safe_url(url: str | URL) -> str:
+    """The URL without its password, for logs (a node list too: its one password is masked)."""
+    text = str(url)
+    scheme, sep, rest = text.partition("://")
+    userinfo, at, after = rest.partition("@")
+    if not sep or not at or "/" in userinfo or ":" not in userinfo:
+        return text
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{after}"
+
+
+def process_offset() -> int:
+    """Where this process starts in the node list: by pid, so the processes of one machine (consecutive
+    pids, usually) spread over the nodes rather than all landing on the first one."""
+    return os.getpid()
+
+
+class NodeTransportFactory(aiormq.TransportFactory):
+    """Opens the TCP (or TLS) transport to the first node that accepts, trying them in turn starting after
+    the node the last connect used, each within ``connect_timeout``.
+
+    aiormq calls ``create`` on every connect and reconnect of the robust connection: a worker whose node
+    died moves to the next one on its next reconnect instead of knocking on the dead node until it returns.
+    Only the transport is per node; the AMQP handshake follows on whichever node accepted. A node that
+    accepts TCP but fails the handshake (a half-dead broker, a proxy with no backend) fails that attempt,
+    and the next attempt starts after it.
+    """
+
+    def __init__(self, nodes: list[URL], *, connect_timeout: float, offset: int = 0) -> None:
+        if not nodes:
+            raise AmqpUrlError("no AMQP node to connect to")
+        self.nodes = nodes
+        self.connect_timeout = connect_timeout
+        # The index of the node last tried successfully; the next connect starts after it.
+        self._last = (offset - 1) % len(nodes)
+        self.current: URL | None = None
+
+    def order(self) -> list[URL]:
+        """The nodes in the order the next connect tries them."""
+        start = (self._last + 1) % len(self.nodes)
+        return self.nodes[start:] + self.nodes[:start]
+
+    async def create(self, url: URL, **kwargs: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        provider = kwargs.pop("ssl_context_provider", None)
+        errors: list[str] = []
+        start = (self._last + 1) % len(self.nodes)
+        for step in range(len(self.nodes)):
+            index = (start + step) % len(self.nodes)
+            node = self.nodes[index]
+            ssl = await provider.get_context() if node.scheme == "amqps" and provider is not None else None
+            try:
+                # Per node, so that a node whose packets vanish (no RST) costs this long, not the whole
+                # connect's budget: the next node gets its own.
+                async with asyncio.timeout(self.connect_timeout):
+                    pair = await asyncio.open_connection(host=node.host, port=node.port, ssl=ssl, **kwargs)
+            except (OSError, TimeoutError) as exc:
+                errors.append(f"{node.host}:{node.port}: {exc!r}")
+                log.warning(
+                    "amqp node unreachable",
+                    extra={"action": "amqp_node_unreachable", "node": safe_url(node), "error": repr(exc)},
+                )
+                continue
+            # Advanced before the handshake: if it then fails, the next attempt starts at the next node.
+            self._last = index
+            self.current = node
+            return pair
+        raise aiormq.exceptions.AMQPConnectionError("no AMQP node accepted a connection: " + "; ".join(errors))
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+class NodesConnection(aio_pika.RobustConnection):
+    """A robust connection over a list of nodes (``NodeTransportFactory``), which logs the node it is on
+    (``amqp_connected``) and when a reconnect lands on another one (``amqp_moved``)."""
+
+    # aio-pika hands the underlying aiormq connection only the keyword arguments its connection class
+    # declares: declaring transport_factory is what lets it through to aiormq on every (re)connect.
+    PARAMETERS: tuple[ConnectionParameter, ...] = (
+        *aio_pika.RobustConnection.PARAMETERS,
+        ConnectionParameter(name="transport_factory", parser=_identity, is_kwarg=True),
+    )
+
+    def __init__(self, url: URL, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any) -> None:
+        super().__init__(url, loop=loop, **kwargs)
+        factory = self.kwargs.get("transport_factory")
+        if not isinstance(factory, NodeTransportFactory):
+            raise TypeError("NodesConnection needs a NodeTransportFactory as transport_factory")
+        self.factory = factory
+        self._on_node: URL | None = None
+
+    @property
+    def node_url(self) -> URL:
+        """The URL of the node this connection is on (the first node before it ever connected)."""
+        return self.factory.current or self.factory.nodes[0]
+
+    async def _on_connected(self) -> None:
+        await super()._on_connected()
+        node = self.factory.current
+        name = self.kwargs.get("client_properties", {}).get("connection_name")
+        if self._on_node is not None and node != self._on_node:
+            log.warning(
+                "amqp connection moved to another node",
+                extra={
+                    "action": "amqp_moved",
+                    "connection_name": name,
+                    "from_node": safe_url(self._on_node),
+                    "node": safe_url(node or ""),
+                },
+            )
+        log.info(
+            "amqp connected",
+            extra={"action": "amqp_connected", "connection_name": name, "node": safe_url(node or "")},
+        )
+        self._on_node = node
+
+
+async def connect(
+    url: str,
+    name: str,
+    *,
+    reconnect_interval: float = 5.0,
+    connect_timeout: float = 5.0,
+    offset: int | None = None,
+) -> NodesConnection:
     """A robust connection named ``name`` (shown in the management UI and ``rabbitmqctl list_connections``).
+
+    ``url`` is one broker or a comma-separated list of nodes of one cluster (``amqp_nodes``). Every connect
+    and reconnect tries the nodes in turn, starting after the one used last, each within
+    ``connect_timeout``; the first connect starts at ``offset`` (by default this process's, so processes
+    spread over the nodes). After a failed attempt it waits ``reconnect_interval`` seconds.
 
     It reconnects by itself after the broker restarts and reopens its channels; publications that failed
     meanwhile are the caller's to retry.
     """
-    log.info("connecting", extra={"action": "amqp_connect", "url": safe_url(url), "connection_name": name})
-    return await aio_pika.connect_robust(
-        url, client_properties={"connection_name": name}, reconnect_interval=reconnect_interval
+    nodes = amqp_nodes(url)
+    factory = NodeTransportFactory(
+        nodes, connect_timeout=connect_timeout, offset=process_offset() if offset is None else offset
     )
+    log.info(
+        "connecting",
+        extra={
+            "action": "amqp_connect",
+            "url": safe_url(url),
+            "nodes": len(nodes),
+            "first_node": safe_url(factory.order()[0]),
+            "connection_name": name,
+        },
+    )
+    # One whole attempt is bounded: every node's transport, then the handshake on the one that accepted.
+    attempt_timeout = connect_timeout * (len(nodes) + 1)
+    # The first connect fails fast (aio-pika's fail_fast), so a node that accepts TCP but fails the
+    # handshake would fail the start: try again, at the next node, once per node.
+    for attempt in range(len(nodes)):
+        # Built here rather than by aio_pika.connect_robust, which also copies every keyword argument into
+        # the URL's query string, where a factory object cannot go.
+        connection = NodesConnection(
+            nodes[0],
+            client_properties={"connection_name": name},
+            reconnect_interval=reconnect_interval,
+            transport_factory=factory,
+        )
+        try:
+            await connection.connect(timeout=attempt_timeout)
+        except TRANSIENT_AMQP_ERRORS:
+            await connection.close()
+            if attempt == len(nodes) - 1:
+                raise
+            continue
+        return connection
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -271,7 +475,8 @@ class ConfirmingPublisher:
     def _connection_url(self) -> URL:
         # aio-pika keeps the URL it connected with (credentials, vhost, options) but does not declare it on
         # its abstract connection.
-        url = getattr(self._connection, "url", None)
+        # A connection over a node list is on one node of it: the one it is on now is alive.
+        url = getattr(self._connection, "node_url", None) or getattr(self._connection, "url", None)
         if not isinstance(url, URL):
             raise TypeError("the publisher's connection does not say which URL it connected to")
         return url

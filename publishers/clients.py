@@ -65,9 +65,8 @@ from aio_pika.abc import (
 )
 from pydantic import BaseModel, ValidationError
 from typing_extensions import Unpack
-from yarl import URL
 
-from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher, connect
+from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, ConfirmingPublisher, amqp_nodes, connect
 from intermission.schemas.commands import (
     CancelCommand,
     DecideCommand,
@@ -390,7 +389,7 @@ class _CommandClient:
 
 def _url_user(url: str) -> str:
     # aio-pika logs in as guest when the URL names nobody.
-    return URL(url).user or "guest"
+    return amqp_nodes(url)[0].user or "guest"
 
 
 class HostClient(_CommandClient):
@@ -401,9 +400,21 @@ class HostClient(_CommandClient):
     """
 
     @classmethod
-    async def connect(cls, url: str, *, name: str = "intermission-host", publish_timeout: float = 10.0) -> Self:
-        """A client over a robust connection of its own, closed with the client."""
-        connection = await connect(url, name)
+    async def connect(
+        cls,
+        url: str,
+        *,
+        name: str = "intermission-host",
+        publish_timeout: float = 10.0,
+        reconnect_interval: float = 5.0,
+        connect_timeout: float = 5.0,
+        offset: int | None = None,
+    ) -> Self:
+        """A client over a robust connection of its own, closed with the client. ``url`` may list the nodes
+        of a cluster (``publishers.amqp.connect``: each (re)connect tries them in turn)."""
+        connection = await connect(
+            url, name, reconnect_interval=reconnect_interval, connect_timeout=connect_timeout, offset=offset
+        )
         return cls(connection, user_id=_url_user(url), publish_timeout=publish_timeout, owns_connection=True)
 
     async def start(self, command: StartCommand, **options: Unpack[SendOptions]) -> str:
@@ -466,9 +477,21 @@ class BusClient(_CommandClient):
     """
 
     @classmethod
-    async def connect(cls, url: str, *, name: str = "intermission-bus", publish_timeout: float = 10.0) -> Self:
-        """A client over a robust connection of its own, closed with the client."""
-        connection = await connect(url, name)
+    async def connect(
+        cls,
+        url: str,
+        *,
+        name: str = "intermission-bus",
+        publish_timeout: float = 10.0,
+        reconnect_interval: float = 5.0,
+        connect_timeout: float = 5.0,
+        offset: int | None = None,
+    ) -> Self:
+        """A client over a robust connection of its own, closed with the client. ``url`` may list the nodes
+        of a cluster (``publishers.amqp.connect``: each (re)connect tries them in turn)."""
+        connection = await connect(
+            url, name, reconnect_interval=reconnect_interval, connect_timeout=connect_timeout, offset=offset
+        )
         return cls(connection, user_id=_url_user(url), publish_timeout=publish_timeout, owns_connection=True)
 
     async def reply(

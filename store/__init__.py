@@ -73,8 +73,14 @@ class Stores:
         return ScopedStores(self.db, scope)
 
     @classmethod
-    async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10, relayed: bool = False) -> Stores:
-        return cls(await Database.connect(dsn, min_size=min_size, max_size=max_size, relayed=relayed))
+    async def connect(
+        cls, dsn: str, *, min_size: int = 1, max_size: int = 10, relayed: bool = False, connect_timeout: float = 60.0
+    ) -> Stores:
+        return cls(
+            await Database.connect(
+                dsn, min_size=min_size, max_size=max_size, relayed=relayed, connect_timeout=connect_timeout
+            )
+        )
 
     async def close(self) -> None:
         await self.db.close()

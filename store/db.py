@@ -9,6 +9,7 @@ asyncpg types never leave ``store/``.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -24,6 +25,8 @@ from intermission.schemas.errors import (
     StoreUnavailable,
 )
 from intermission.store.queries import OUTBOX_WRITERS, QUERIES
+
+log = logging.getLogger("intermission.store")
 
 # SQLSTATEs a retry may cure. By class: 08 (connection exception) and 53 (insufficient resources: too many
 # connections, out of memory or disk). By code: the server going away or refusing connections while it
@@ -160,6 +163,29 @@ async def _keep_session(_raw: asyncpg.Connection[Any]) -> None:
     """
 
 
+class _ServerTracker:
+    """The pool's ``init`` hook: on every new connection, asks which server it reached and logs
+    ``pg_connected`` when that is another one than the last (the first one too).
+
+    With a multi-host DSN (``postgresql://h1:5432,h2:5432/db?target_session_attrs=read-write``) asyncpg
+    picks the host per connection, so a failover shows up only as new connections landing elsewhere. One
+    round trip per NEW connection, which a pool opens rarely.
+    """
+
+    def __init__(self) -> None:
+        self.server: str | None = None
+
+    async def __call__(self, raw: asyncpg.Connection[Any]) -> None:
+        row = await raw.fetchrow(QUERIES["server_address"].sql)
+        server = f"{row['address'] or 'local socket'}:{row['port']}" if row is not None else "unknown"
+        if server != self.server:
+            log.info(
+                "database connected",
+                extra={"action": "pg_connected", "server": server, "previous_server": self.server},
+            )
+            self.server = server
+
+
 class Database:
     """One asyncpg pool per process, and the transactions store code runs in.
 
@@ -177,6 +203,8 @@ class Database:
         self.dsn = dsn
         self.server_settings = dict(server_settings or {})
         self._outbox_listeners: list[Callable[[], None]] = []
+        # Which server the pool's connections reach (set by ``connect``, which installs the init hook).
+        self.tracker: _ServerTracker | None = None
 
     def on_outbox_commit(self, wake: Callable[[], None]) -> Callable[[], None]:
         """Call ``wake`` whenever a transaction of this pool that added outbox rows has ended (a rolled-back
@@ -199,10 +227,19 @@ class Database:
         command_timeout: float = 30.0,
         application_name: str = "intermission",
         relayed: bool = False,
+        connect_timeout: float = 60.0,
     ) -> Database:
+        """A pool over ``dsn``, which may list several hosts (asyncpg tries them in order) and ask for
+        ``target_session_attrs=read-write`` so that only the primary is taken.
+
+        ``connect_timeout`` bounds one connection attempt over the WHOLE host list, not each host: asyncpg
+        spends one budget across them, so a host that drops packets (no RST) can use it up before the next
+        host is tried. Give it room for every host.
+        """
         settings = {"application_name": application_name}
         if relayed:
             settings["intermission.relayed"] = "on"
+        tracker = _ServerTracker()
         with translated():
             pool = await asyncpg.create_pool(
                 dsn,
@@ -211,8 +248,12 @@ class Database:
                 command_timeout=command_timeout,
                 server_settings=settings,
                 reset=_keep_session,
+                init=tracker,
+                timeout=connect_timeout,
             )
-        return cls(pool, dsn=dsn, server_settings=settings)
+        database = cls(pool, dsn=dsn, server_settings=settings)
+        database.tracker = tracker
+        return database
 
     async def connect_dedicated(self, application_name: str, *, command_timeout: float) -> Conn:
         """A connection of its own, outside the pool, to the same database with the same session settings:

@@ -126,3 +126,8 @@ SELECT *
  WHERE $1::run_state IS NULL OR state = $1::run_state
  ORDER BY updated_at DESC, id
  LIMIT $2;
+
+-- server_address --
+-- Which server a new pooled connection landed on, for the log line that says when the pool moved to another
+-- host (a multi-host DSN after a failover). NULL address: a Unix socket. No parameters
+SELECT host(inet_server_addr()) AS address, inet_server_port() AS port;
