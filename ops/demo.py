@@ -32,11 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
-from yarl import URL
 
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import running_worker
 from intermission.ops.grants import BrokerGrants, ManagementError
+from intermission.publishers.amqp import amqp_nodes, with_credentials
 from intermission.publishers.clients import BusClient, HostClient, version_of
 from intermission.schemas.commands import DecideCommand, Decision, ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
@@ -76,14 +76,14 @@ class Cast:
 
 
 def _as(url: str, user: str, password: str) -> str:
-    return str(URL(url).with_user(user).with_password(password))
+    return with_credentials(url, user, password)
 
 
 async def cast(settings: Settings, say: Say, users: DemoUsers = DemoUsers()) -> Cast:
     """Create or update the demo's users through the management API, each with a fresh password: the host
     confined to ``SCOPE`` alone, the bus trusted with every scope. Without the API, the AMQP URL's own user
     plays every part (and the story says so)."""
-    own = URL(settings.amqp_url).user or "guest"
+    own = amqp_nodes(settings.amqp_url)[0].user or "guest"
     alone = Cast(settings.amqp_url, own, settings.amqp_url, own, confined=False)
     access = settings.management()
     grants = BrokerGrants.connect(

@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import quote
 
 import aio_pika
 import aiormq
@@ -149,14 +150,8 @@ class AmqpUrlError(ValueError):
     """An AMQP URL (or list of nodes) that cannot be connected to as written."""
 
 
-def amqp_nodes(url: str) -> list[URL]:
-    """The broker nodes of ``url``: one URL per node, in the order listed.
-
-    ``amqp://user:pw@h1:5672,h2:5673,h3/vhost?params`` lists three nodes of one cluster: they share the
-    credentials, the vhost and the query (a cluster has one user database and one set of vhosts), so only
-    host and port are per node. A node without a port gets the scheme's default. A single URL is one node,
-    parsed by yarl exactly as before.
-    """
+def _split(url: str) -> tuple[str, str, str, str, str]:
+    """(scheme, userinfo, "@" or "", hosts, the rest from the path on) of an AMQP URL or node list."""
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in ("amqp", "amqps"):
         raise AmqpUrlError(f"an AMQP URL starts with amqp:// or amqps://, not {safe_url(url)!r}")
@@ -169,6 +164,25 @@ def amqp_nodes(url: str) -> list[URL]:
             end = min(end, found)
     authority, tail = rest[:end], rest[end:]
     userinfo, at, hosts = authority.rpartition("@")
+    return scheme, userinfo, at, hosts, tail
+
+
+def with_credentials(url: str, user: str, password: str) -> str:
+    """``url`` (one node or a list) logging in as ``user``: the same nodes, vhost and query."""
+    amqp_nodes(url)  # refuses what is not an AMQP URL or node list
+    scheme, _, _, hosts, tail = _split(url)
+    return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{hosts}{tail}"
+
+
+def amqp_nodes(url: str) -> list[URL]:
+    """The broker nodes of ``url``: one URL per node, in the order listed.
+
+    ``amqp://user:pw@h1:5672,h2:5673,h3/vhost?params`` lists three nodes of one cluster: they share the
+    credentials, the vhost and the query (a cluster has one user database and one set of vhosts), so only
+    host and port are per node. A node without a port gets the scheme's default. A single URL is one node,
+    parsed by yarl exactly as before.
+    """
+    scheme, userinfo, at, hosts, tail = _split(url)
     prefix = f"{scheme}://{userinfo}{at}"
     default_port = 5671 if scheme == "amqps" else 5672
     nodes: list[URL] = []

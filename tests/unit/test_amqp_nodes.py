@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from yarl import URL
 
 from intermission.fleet.settings import Settings
-from intermission.publishers.amqp import AmqpUrlError, NodeTransportFactory, amqp_nodes, safe_url
+from intermission.publishers.amqp import AmqpUrlError, NodeTransportFactory, amqp_nodes, safe_url, with_credentials
 
 
 def test_a_single_url_is_one_node_as_before() -> None:
@@ -67,3 +67,14 @@ def test_processes_start_at_their_offset_and_the_order_wraps() -> None:
     starts = {NodeTransportFactory(nodes, connect_timeout=1, offset=o).order()[0].host for o in range(3)}
     assert starts == {"a", "b", "c"}
     assert [n.host for n in NodeTransportFactory(nodes, connect_timeout=1, offset=4).order()] == ["b", "c", "a"]
+
+
+def test_credentials_are_replaced_for_every_node_and_nothing_else_changes() -> None:
+    listed = "amqp://guest:guest@h1:5672,h2:5673/vh%2F1?heartbeat=10"
+    moved = with_credentials(listed, "demo host", "p@ss/word")
+    assert moved == "amqp://demo%20host:p%40ss%2Fword@h1:5672,h2:5673/vh%2F1?heartbeat=10"
+    assert [(n.host, n.port, n.user, n.password, n.path) for n in amqp_nodes(moved)] == [
+        ("h1", 5672, "demo host", "p@ss/word", "/vh/1"),
+        ("h2", 5673, "demo host", "p@ss/word", "/vh/1"),
+    ]
+    assert with_credentials("amqp://localhost/", "u", "p") == "amqp://u:p@localhost/"
