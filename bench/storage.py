@@ -43,6 +43,17 @@ due, on or off). The size ratio is the last minute's total bytes over the first 
 pruning on (the same phase as the last: an off-minute ends with a minute's backlog in the tables). Goals:
 size ratio <= 1.1 (flat), claim p99 on / off <= 1.2.
 
+AUTOVACUUM. Flat storage needs vacuum to make the space of deleted rows reusable; that is autovacuum's job
+(migration 0008 tunes it per table). A server with autovacuum off (this project's test server has it off,
+for speed) never reclaims anything, and the tables grow by every row ever deleted. ``--vacuum auto`` (the
+default) then stands in for it: at every minute's end, after the minute's figures are read, the benchmark
+runs ``VACUUM (ANALYZE)`` on each of Intermission's tables, and says so; ``--vacuum off`` shows the
+server as it is, ``--vacuum on`` vacuums whatever the server does.
+
+A broker or database that goes away (other engineers' tests restart them on a shared machine) does not
+stop the benchmark: the commands that could not be published are counted, per minute, and such a minute is
+marked as disturbed; its figures are not for the record.
+
 It prints the per-minute table and the ratios at the end and writes every figure as JSON to
 ``bench/results/storage-<UTC time>.json`` (or ``--json``), printing the path. The machine is shared:
 ``other`` CPU (busy time none of the benchmark's processes account for) says how much somebody else ran.
@@ -53,6 +64,7 @@ Options:
   --rate R           runs started per second (default 20)
   --retention S      every retention, in seconds (default 60)
   --prune-interval S seconds between two prunes while pruning is on (default 5)
+  --vacuum MODE      auto (default: VACUUM every minute when the server's autovacuum is off), on, off
   --quick            a smoke run: 4 intervals of 10 s, retention 5 s, prunes every 2 s; figures mean nothing
   --database-url, --amqp-url, --rabbitmqctl: as for ``python -m bench.resume``
   --json FILE        where the figures go (``--out`` is the same option, as for the other benchmarks)
@@ -106,7 +118,7 @@ from bench.soak.scripts import TEMPLATES
 from intermission.fleet.pruning import PruneLoop
 from intermission.fleet.settings import Settings
 from intermission.ops.metrics import SweeperMetrics
-from intermission.publishers.amqp import RETRYABLE, connect
+from intermission.publishers.amqp import RETRYABLE, PublishFailed, connect
 from intermission.publishers.clients import BusClient, HostClient, Subscription, version_of
 from intermission.schemas.commands import (
     CancelCommand,
@@ -121,6 +133,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import Notice, SuspendReason
 from intermission.store.db import Database
+from intermission.store.retention import RUN_TABLES, Kept
 from intermission.wire import COMMAND_QUEUES, Command
 
 SCOPE = Scope(app="bench", tenant="storage")
@@ -158,6 +171,7 @@ class Options:
     rabbitmqctl: list[str]
     quick: bool
     out: Path | None
+    vacuum: str = "auto"
     seed: int = 7
 
     def pruning_on(self, minute: int) -> bool:
@@ -200,6 +214,8 @@ class Minute:
     rejected: Counter[str] = field(default_factory=Counter)
     pruned: Counter[str] = field(default_factory=Counter)
     prune_seconds: float = 0.0
+    # Commands the broker did not take (it was away): their runs are not counted, or stay paused.
+    unpublished: Counter[str] = field(default_factory=Counter)
 
 
 class Workload:
@@ -272,7 +288,12 @@ class Workload:
             pause_ttl_seconds=rng.randint(*EXPIRE_TTL) if fate is Fate.EXPIRE else None,
         )
         self.started += 1
-        await self.host.start(command)
+        try:
+            await self.host.start(command)
+        except PublishFailed:
+            self.now.unpublished["run.start"] += 1
+            self.started -= 1
+            del self.fates[run_id], self.handled[run_id]
 
     # --- hearing ----------------------------------------------------------------------------------------
 
@@ -321,6 +342,14 @@ class Workload:
         self.spawn(self.answer(notice, cancel=first and fate is Fate.CANCEL, deny=fate is Fate.DENY))
 
     async def answer(self, notice: Notice, *, cancel: bool, deny: bool) -> None:
+        try:
+            await self._answer(notice, cancel=cancel, deny=deny)
+        except PublishFailed:
+            # The run stays paused (until its deadline, a day ahead): counted, and in flight to the end.
+            self.now.unpublished["answer"] += 1
+            self.answered.pop(notice.run_id, None)
+
+    async def _answer(self, notice: Notice, *, cancel: bool, deny: bool) -> None:
         rng = random.Random(f"{self.opts.seed}:{notice.run_id}:{notice.suspension_id}")  # noqa: S311
         await asyncio.sleep(rng.uniform(*THINK_SECONDS))
         version = version_of(notice)
@@ -380,6 +409,20 @@ SELECT relname AS name, n_tup_upd AS updated, n_tup_hot_upd AS hot, autovacuum_c
  WHERE schemaname = current_schema()
 """
 RUNS_BY_STATE = "SELECT state, count(*) AS n FROM runs GROUP BY state"
+# Intermission's tables that churn (every one retention prunes), by their fixed names.
+VACUUMED = (*RUN_TABLES, *(k.value for k in Kept if k is not Kept.RUNS))
+
+
+async def autovacuum_on(con: asyncpg.Connection[Any]) -> bool:
+    return bool(await con.fetchval("SELECT current_setting('autovacuum')::bool"))
+
+
+async def vacuum(con: asyncpg.Connection[Any]) -> float:
+    """What autovacuum would do, all at once: VACUUM (ANALYZE) each table; the seconds it took."""
+    started = time.perf_counter()
+    for table in VACUUMED:
+        await con.execute(f"VACUUM (ANALYZE) {table}")  # a fixed table name of the schema, never input
+    return time.perf_counter() - started
 
 
 async def snapshot(pruning: PruneLoop, con: asyncpg.Connection[Any]) -> dict[str, Any]:
@@ -434,6 +477,7 @@ def minute_figures(
         "claim_ms": summary_ms(seen.claims),
         "ended": dict(seen.ended),
         "rejected": dict(seen.rejected),
+        "unpublished": dict(seen.unpublished),
         "pruned": dict(seen.pruned),
         "prune_s": round(seen.prune_seconds, 2),
         "runs_hot_share": hot_share(updated, hot),
@@ -475,6 +519,10 @@ def block(m: dict[str, Any], opts: Options, in_flight: int) -> str:
     )
     if m["rejected"]:
         lines.append(f"  REFUSED commands: {m['rejected']}")
+    if m["unpublished"]:
+        lines.append(f"  DISTURBED: commands the broker did not take: {m['unpublished']}")
+    if m.get("vacuum_s") is not None:
+        lines.append(f"  then VACUUM (ANALYZE) of every table, standing in for autovacuum: {m['vacuum_s']:.1f} s")
     return "\n".join(lines)
 
 
@@ -520,6 +568,9 @@ async def measure(opts: Options, dsn: str, url: str) -> dict[str, Any]:
     con = await asyncpg.connect(dsn)
     pumps: list[asyncio.Task[Any]] = []
     try:
+        vacuuming = opts.vacuum == "on" or (opts.vacuum == "auto" and not await autovacuum_on(con))
+        if vacuuming:
+            print("autovacuum is off on this server: the benchmark vacuums every table each minute", flush=True)
         pruning = PruneLoop(db, amqp, Settings(**settings, database_url=dsn, amqp_url=url), SweeperMetrics())
         await consumed(url, COMMAND_QUEUES[Command.START])
         async with asyncio.timeout(60):
@@ -560,6 +611,7 @@ async def measure(opts: Options, dsn: str, url: str) -> dict[str, Any]:
                 )
                 cpu_before = cpu_after
                 figures = minute_figures(index, opts, seen, reading, previous)
+                figures["vacuum_s"] = round(await vacuum(con), 2) if vacuuming else None
                 figures["claim_latencies_ms"] = [round(s * 1000, 3) for s in seen.claims]
                 previous = reading
                 minutes.append(figures)
@@ -567,6 +619,8 @@ async def measure(opts: Options, dsn: str, url: str) -> dict[str, Any]:
             waiting = len(workload.answered)
             warnings = Workers([worker], [worker_log]).warnings()
         return {
+            "server_autovacuum": await autovacuum_on(con),
+            "benchmark_vacuums": vacuuming,
             "minutes": minutes,
             "runs_started": workload.started,
             "runs_ended": workload.ended,
@@ -639,6 +693,7 @@ async def run(opts: Options) -> dict[str, Any]:
             "rate": opts.rate,
             "retention_s": opts.retention,
             "prune_interval_s": opts.prune_interval,
+            "vacuum": opts.vacuum,
             "settings": opts.overrides(),
             "quick": opts.quick,
             "command": "python -m bench.storage " + shlex.join(sys.argv[1:]),
@@ -678,7 +733,7 @@ def table(results: dict[str, Any]) -> str:
     for m in results["minutes"]:
         rows.append(
             (
-                f"{m['minute'] + 1}{'' if m['steady'] else ' (warm)'}",
+                f"{m['minute'] + 1}{'' if m['steady'] else ' (warm)'}{' DISTURBED' if m['unpublished'] else ''}",
                 "on" if m["pruning"] else "off",
                 f"{m['total_bytes'] / MB:.2f}",
                 str(sum(m["runs_by_state"].values())),
@@ -723,6 +778,11 @@ def table(results: dict[str, Any]) -> str:
     )
     for t in results["targets"]:
         lines.append(f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']}")
+    if results["benchmark_vacuums"]:
+        lines.append("The server's autovacuum is off: the benchmark ran VACUUM (ANALYZE) on every table each minute.")
+    disturbed = [m["minute"] + 1 for m in results["minutes"] if m["unpublished"]]
+    if disturbed:
+        lines.append(f"warning: the broker was away in minute(s) {disturbed}: those figures are not for the record")
     return "\n".join(lines)
 
 
@@ -743,6 +803,7 @@ def parse(argv: list[str] | None = None) -> Options:
     parser.add_argument("--amqp-url", default=os.environ.get("INTERMISSION_BENCH_AMQP_URL", DEFAULT_AMQP_URL))
     parser.add_argument("--rabbitmqctl", default="rabbitmqctl")
     parser.add_argument("--json", "--out", dest="out", type=Path, default=None)
+    parser.add_argument("--vacuum", choices=("auto", "on", "off"), default="auto")
     args = parser.parse_args(argv)
 
     def chosen(value: float | None, quick: float, default: float) -> float:
@@ -759,6 +820,7 @@ def parse(argv: list[str] | None = None) -> Options:
         rabbitmqctl=shlex.split(args.rabbitmqctl),
         quick=args.quick,
         out=args.out,
+        vacuum=args.vacuum,
     )
     if opts.minutes < 1 or opts.interval <= 0 or opts.rate <= 0 or opts.retention <= 0 or opts.prune_interval <= 0:
         parser.error("--minutes, --interval, --rate, --retention and --prune-interval must be positive")
