@@ -151,6 +151,8 @@ FATES: tuple[tuple[Fate, float], ...] = (
 # The soak's short deadlines for the runs left to expire.
 EXPIRE_TTL = PROFILES["long"].deadline_seconds
 THINK_SECONDS = (0.0, 1.0)
+# What a server away raises in the prune loop (see prune_loop).
+OUTAGE: tuple[type[BaseException], ...] = (*RETRYABLE, RuntimeError)
 TERMINAL = frozenset({RunEventKind.COMPLETED, RunEventKind.FAILED, RunEventKind.CANCELLED, RunEventKind.EXPIRED})
 TARGET_FLAT = 1.1
 TARGET_P99 = 1.2
@@ -391,12 +393,16 @@ async def prune_loop(pruning: PruneLoop, workload: Workload, opts: Options, bega
             await asyncio.sleep(max(0.0, next_minute - time.perf_counter()))
             continue
         started = time.perf_counter()
+        # PruneLoop.once, in its two parts: a server away skips the rest of the interval, as the sweeper
+        # does. The report reads the dead-letter queue over AMQP, where a robust connection that is
+        # reconnecting raises a bare RuntimeError ("Connection was not opened"), which the sweeper's loop
+        # does not count as an outage (its supervisor restarts it); here it is one.
         try:
-            workload.now.pruned.update(await pruning.once())
-        except RETRYABLE as exc:
-            # As the sweeper does: a server away is a prune skipped, not a failure.
+            workload.now.pruned.update(await pruning.pruner.prune())
+            await pruning.report()
+        except OUTAGE as exc:
             workload.now.pruned["skipped"] += 1
-            log.warning("prune skipped: %r", exc)
+            log.warning("prune or report skipped: %r", exc)
         workload.now.prune_seconds += time.perf_counter() - started
         await asyncio.sleep(max(0.0, min(pruning.interval, next_minute - time.perf_counter())))
 
