@@ -1,5 +1,6 @@
-"""The benchmarks run and produce their figures: ``python -m bench.resume --quick`` and
-``python -m bench.scaling --quick``, each in a subprocess against the tests' PostgreSQL and RabbitMQ.
+"""The benchmarks run and produce their figures: ``python -m bench.resume --quick``,
+``python -m bench.scaling --quick`` and ``python -m bench.storage --quick``, each in a subprocess against
+the tests' PostgreSQL and RabbitMQ.
 
 Only the presence of the figures is checked, never their values: a quick run's numbers mean nothing, and
 no test asserts a time.
@@ -34,6 +35,12 @@ def latency(figures: dict[str, Any]) -> None:
 
 
 async def bench(module: str, out: Path, pg_server: str, rabbit: Broker) -> dict[str, Any]:
+    figures, _ = await bench_printed(module, out, pg_server, rabbit)
+    return figures
+
+
+async def bench_printed(module: str, out: Path, pg_server: str, rabbit: Broker) -> tuple[dict[str, Any], str]:
+    """The figures a quick run wrote, and what it printed."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -51,11 +58,12 @@ async def bench(module: str, out: Path, pg_server: str, rabbit: Broker) -> dict[
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
-    printed, _ = await proc.communicate()
-    assert proc.returncode == 0, printed.decode(errors="replace")[-4000:]
-    assert f"results: {out}" in printed.decode()
+    raw, _ = await proc.communicate()
+    printed = raw.decode(errors="replace")
+    assert proc.returncode == 0, printed[-4000:]
+    assert f"results: {out}" in printed
     figures: dict[str, Any] = json.loads(await asyncio.to_thread(out.read_text))
-    return figures
+    return figures, printed
 
 
 @pytest.mark.timeout(240)
@@ -94,3 +102,32 @@ async def test_the_scaling_benchmark_produces_its_figures(pg_server: str, rabbit
     assert len(figures["targets"]) == 2
     for target in figures["targets"]:
         holds(target, "target", "value", "met")
+
+
+@pytest.mark.timeout(180)
+async def test_the_storage_benchmark_prints_its_minutes_and_ratios_and_prunes(
+    pg_server: str, rabbit: Broker, tmp_path: Path
+) -> None:
+    figures, printed = await bench_printed("bench.storage", tmp_path / "storage.json", pg_server, rabbit)
+    assert figures["benchmark"] == "storage"
+    minutes = figures["minutes"]
+    assert len(minutes) == figures["options"]["minutes"] == 4
+    for m in minutes:
+        assert f"minute {m['minute'] + 1}/4 " in printed
+        holds(m, "tables", "total_bytes", "claim_ms", "ended", "runs_by_state", "pruning", "steady", "cpu_percent")
+        latency(m["claim_ms"])
+        assert {"runs", "inbox", "outbox", "session_messages"} <= set(m["tables"])
+        for table in m["tables"].values():
+            holds(table, "live_rows", "dead_rows", "bytes")
+    # Every minute's block has its table lines and its total; the end has both ratios and the HOT share.
+    assert printed.count("  runs        ") >= 4
+    assert printed.count("  total       ") >= 4
+    assert "size: last minute" in printed
+    assert "p99 on / off = " in printed
+    assert "HOT updates of runs" in printed
+    assert figures["size_ratio"] is not None
+    assert figures["claim_p99_ratio"] is not None
+    assert len(figures["targets"]) == 2
+    # Pruning removed ended runs, so the runs kept are far fewer than the runs started.
+    assert figures["pruned"].get("runs", 0) > 0
+    assert sum(minutes[-1]["runs_by_state"].values()) < figures["runs_started"]

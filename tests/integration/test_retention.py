@@ -117,6 +117,54 @@ async def test_prune_removes_exactly_the_ended_runs_past_retention_and_everythin
     assert await pruner.prune((Kept.RUNS,)) == {}
 
 
+async def test_a_run_resumed_through_an_admission_is_pruned_with_its_admission_start_expiry_and_closure(
+    stores: Stores, db: Inspector, scope: Scope
+) -> None:
+    # run.reply admits, then starts, the resume (0002): rows that reference each other, which the prune must
+    # delete referencing first or the whole batch fails on a foreign key (0009).
+    run_id = await ended_run(stores, scope)
+    for suspension_id in (1, 2):
+        await db.con.execute(
+            "INSERT INTO resume_admissions (run_id, suspension_id, app, tenant, pinned_revision, input,"
+            " request_digest, suspension_digest, claimed_revision) VALUES ($1, $2, $3, $4, 1, '\\x7b7d', 'r', 's', 2)",
+            run_id,
+            suspension_id,
+            scope.app,
+            scope.tenant,
+        )
+    await db.con.execute(
+        "INSERT INTO resume_starts (run_id, suspension_id, app, tenant, pinned_revision, request_digest)"
+        " VALUES ($1, 1, $2, $3, 1, 'r')",
+        run_id,
+        scope.app,
+        scope.tenant,
+    )
+    await db.con.execute(
+        "INSERT INTO resume_closures (run_id, suspension_id, app, tenant, request, request_digest, event_id,"
+        " run_revision) VALUES ($1, 1, $2, $3, '{}', 'r', gen_random_uuid(), 3)",
+        run_id,
+        scope.app,
+        scope.tenant,
+    )
+    await db.con.execute(
+        "INSERT INTO resume_expiries (run_id, suspension_id, app, tenant, pinned_revision, request_digest,"
+        " event_id, run_revision) VALUES ($1, 2, $2, $3, 1, 'r', gen_random_uuid(), 2)",
+        run_id,
+        scope.app,
+        scope.tenant,
+    )
+    await age(db, "runs", "ended_at", HOUR + 60, "id = $2", run_id)
+    before = await rows_of(db, run_id)
+
+    removed = await Pruner(stores.db, RETENTION, batch=10).prune((Kept.RUNS,))
+
+    assert removed == {t: n for t, n in before.items() if n}
+    assert {"resume_admissions": 2, "resume_starts": 1, "resume_expiries": 1, "resume_closures": 1}.items() <= (
+        removed.items()
+    )
+    assert await rows_of(db, run_id) == dict.fromkeys(RUN_TABLES, 0)
+
+
 async def test_inbox_outbox_and_sessions_keep_what_is_inside_their_window_or_still_needed(
     stores: Stores, db: Inspector, scope: Scope
 ) -> None:
