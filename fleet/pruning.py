@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Final
 
 from aio_pika.abc import AbstractRobustConnection
 
@@ -23,6 +24,10 @@ from intermission.store.retention import Counts, Kept, Pruner, Retention
 log = logging.getLogger("intermission.pruning")
 
 PRUNER_TASK = "pruner"
+
+# What a robust connection raises while it reconnects: aio-pika's "Connection was not opened" is a bare
+# RuntimeError, beside the AMQP errors every publisher retries.
+BROKER_AWAY: Final[tuple[type[BaseException], ...]] = (*RETRYABLE, RuntimeError)
 
 
 def retention_of(settings: Settings) -> Retention:
@@ -73,7 +78,15 @@ class PruneLoop:
         ended, inbox = await self.pruner.oldest_kept()
         self.metrics.oldest_ended_run.set(ended or 0.0)
         self.metrics.oldest_inbox.set(inbox or 0.0)
-        dead = await dead_stats(self.connection)
+        try:
+            dead = await dead_stats(self.connection)
+        except BROKER_AWAY as exc:
+            # The figures wait for the broker; pruning, which needs only the database, must not.
+            log.warning(
+                "dead-letter figures skipped: the broker is away",
+                extra={"action": "report_skipped", "error": repr(exc)},
+            )
+            return
         self.metrics.dead_letters.set(dead.depth)
         self.metrics.dead_letter_age.set(dead.oldest_seconds or 0.0)
 

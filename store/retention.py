@@ -2,7 +2,7 @@
 once (migration 0008 says what each table keeps and why).
 
 Each batch is one statement, and so one transaction: a batch of ended runs takes everything about those
-runs with it (``intermission_prune_runs_v2``), so a pruner killed at any instant leaves no run half
+runs with it (``intermission_prune_runs_v1``), so a pruner killed at any instant leaves no run half
 removed. Rows are taken oldest first with ``FOR UPDATE SKIP LOCKED``: two pruners never delete one row
 twice and never wait for each other, and a pruner never waits for a claim (ended runs, old inbox records,
 sent events and old session messages are rows no claim touches).

@@ -487,53 +487,6 @@ BEGIN
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('checkpoints', v_n);
     DELETE FROM progress WHERE run_id = ANY (v_ids);
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('progress', v_n);
-    DELETE FROM resume_admissions WHERE run_id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_admissions', v_n);
-    DELETE FROM resume_starts WHERE run_id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_starts', v_n);
-    DELETE FROM resume_expiries WHERE run_id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_expiries', v_n);
-    DELETE FROM resume_closures WHERE run_id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_closures', v_n);
-    DELETE FROM run_events WHERE run_id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('run_events', v_n);
-    DELETE FROM demo_charges WHERE run_id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('demo_charges', v_n);
-    DELETE FROM runs WHERE id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('runs', v_n);
-    RETURN v_counts;
-END;
-$$;
-
-
---
--- Name: intermission_prune_runs_v2(timestamp with time zone, integer); Type: FUNCTION; Schema: public; Owner: -
---
-
-CREATE FUNCTION public.intermission_prune_runs_v2(p_ended_before timestamp with time zone, p_limit integer) RETURNS jsonb
-    LANGUAGE plpgsql
-    AS $$
-DECLARE
-    v_ids text[];
-    v_counts jsonb := '{}';
-    v_n bigint;
-BEGIN
-    SELECT coalesce(array_agg(r.id), '{}') INTO v_ids
-      FROM (SELECT r.id FROM runs r
-             WHERE r.ended_at IS NOT NULL AND r.ended_at < p_ended_before
-               AND r.state IN ('completed', 'failed', 'cancelled')
-             ORDER BY r.ended_at
-             LIMIT p_limit
-               FOR UPDATE SKIP LOCKED) r;
-    IF cardinality(v_ids) = 0 THEN
-        RETURN v_counts;
-    END IF;
-    DELETE FROM suspensions WHERE run_id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('suspensions', v_n);
-    DELETE FROM checkpoints WHERE run_id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('checkpoints', v_n);
-    DELETE FROM progress WHERE run_id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('progress', v_n);
     DELETE FROM resume_closures WHERE run_id = ANY (v_ids);
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_closures', v_n);
     DELETE FROM resume_expiries WHERE run_id = ANY (v_ids);
@@ -1502,5 +1455,4 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (5, 'transitions', 'f489e60b924dc10782e085e6aa9c20b9d02a2bb29135496a69eab832b365e824'),
     (6, 'outbox_quarantine', '3274f70940b8715bc4336dc2b6ae9d310d6feb25cc35abf201641b4d3eb90b1e'),
     (7, 'inbox_per_scope', 'cb7e0cebf4787417bbd6803f9c158948bd0720531eed8655abce8b8b5f6bf89e'),
-    (8, 'retention', '98eed31b5e2d48fa56a21f5104e4700becb0c9de53db3d2c0e862172c2d9a54a'),
-    (9, 'prune_order', '2856227025ded95e6501887e3f0564f7bd1b126d7142b732b715afddd135daf1');
+    (8, 'retention', 'fec842023816254a78af5ea6e9ad8ae6b1690d9a7fa00b8993a8e22fbcb2f79e');

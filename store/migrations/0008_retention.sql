@@ -48,7 +48,9 @@ ALTER TABLE inbox SET (autovacuum_vacuum_scale_factor = 0.05);
 ALTER TABLE runs SET (autovacuum_vacuum_scale_factor = 0.05);
 
 -- One batch of ended runs past retention, with everything about them, in one transaction: the count of rows
--- removed per table. Oldest first; runs another pruner holds are skipped, not waited for.
+-- removed per table. Oldest first; runs another pruner holds are skipped, not waited for. Rows that
+-- reference others go first (closures, then expiries and starts, then the admissions they name): the
+-- other order fails every batch that holds a run resumed by a reply on a foreign key.
 CREATE FUNCTION intermission_prune_runs_v1(p_ended_before timestamptz, p_limit int)
 RETURNS jsonb
 LANGUAGE plpgsql AS $$
@@ -73,14 +75,14 @@ BEGIN
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('checkpoints', v_n);
     DELETE FROM progress WHERE run_id = ANY (v_ids);
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('progress', v_n);
-    DELETE FROM resume_admissions WHERE run_id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_admissions', v_n);
-    DELETE FROM resume_starts WHERE run_id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_starts', v_n);
-    DELETE FROM resume_expiries WHERE run_id = ANY (v_ids);
-    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_expiries', v_n);
     DELETE FROM resume_closures WHERE run_id = ANY (v_ids);
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_closures', v_n);
+    DELETE FROM resume_expiries WHERE run_id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_expiries', v_n);
+    DELETE FROM resume_starts WHERE run_id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_starts', v_n);
+    DELETE FROM resume_admissions WHERE run_id = ANY (v_ids);
+    GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_admissions', v_n);
     DELETE FROM run_events WHERE run_id = ANY (v_ids);
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('run_events', v_n);
     DELETE FROM demo_charges WHERE run_id = ANY (v_ids);

@@ -2,7 +2,7 @@
 -- One batch of ended runs past retention and everything about them, in one transaction (the function's
 -- own): the rows removed per table, as jsonb. Runs another pruner holds are skipped.
 -- $1 ended before (seconds ago), $2 batch size
-SELECT intermission_prune_runs_v2(now() - make_interval(secs => $1::float8), $2::int) AS counts;
+SELECT intermission_prune_runs_v1(now() - make_interval(secs => $1::float8), $2::int) AS counts;
 
 -- prune_inbox --
 -- One batch of inbox records older than the idempotency window, oldest first.

@@ -18,8 +18,11 @@ import aio_pika
 import pytest
 
 from intermission.agent.loop import default_executor
+from intermission.fleet.pruning import PruneLoop
+from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker, running_worker
 from intermission.ops.dead import dead_stats
+from intermission.ops.metrics import SweeperMetrics
 from intermission.publishers.clients import HostClient, Received, Subscription, version_of
 from intermission.schemas.commands import ResumeCommand, ToolAnswer
 from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
@@ -121,7 +124,7 @@ async def test_a_run_resumed_through_an_admission_is_pruned_with_its_admission_s
     stores: Stores, db: Inspector, scope: Scope
 ) -> None:
     # run.reply admits, then starts, the resume (0002): rows that reference each other, which the prune must
-    # delete referencing first or the whole batch fails on a foreign key (0009).
+    # delete referencing first or the whole batch fails on a foreign key (intermission_prune_runs_v1).
     run_id = await ended_run(stores, scope)
     for suspension_id in (1, 2):
         await db.con.execute(
@@ -368,3 +371,18 @@ async def test_a_capped_dead_letter_queue_refuses_rather_than_drops(amqp_vhost: 
     assert taken
     assert head.message_id == "kept-0"
     assert stats.depth == len(taken)
+
+
+async def test_the_prune_loop_prunes_while_the_broker_is_away(
+    stores: Stores, db: Inspector, scope: Scope, settings: Settings, amqp_url: str
+) -> None:
+    doomed = [await ended_run(stores, scope) for _ in range(3)]
+    await age(db, "runs", "ended_at", 31 * 86400, "id = ANY($2)", doomed)
+    connection = await aio_pika.connect_robust(amqp_url)
+    await connection.close()  # what a sweeper's connection is while the broker restarts
+    metrics = SweeperMetrics()
+    loop = PruneLoop(stores.db, connection, settings, metrics)
+    removed = await loop.once()
+    assert removed["runs"] == 3
+    assert metrics.pruned.labels("runs")._value.get() == 3
+    assert await db.con.fetchval("SELECT count(*) FROM runs WHERE id = ANY($1)", doomed) == 0
