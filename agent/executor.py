@@ -66,6 +66,10 @@ class RunHandle:
     lost: bool = False
     ended: bool = False
     paused: bool = False
+    # The run's own pause or end is in flight. A renewal that runs just after that transition committed no
+    # longer finds the run running, and would report it lost before the transition's answer reaches the run;
+    # while this is set, the transition's own answer says what happened (RunLeaseLost when it was lost).
+    leaving: bool = False
     # An end asked of the run while it runs, as the lease keeper or a save heard of it.
     ending: Ending | None = None
 
@@ -159,6 +163,7 @@ class RunContext:
     async def pause(self, pause: Pause) -> Paused:
         """Pause the run. A run asked to end does not pause: it ends as asked (EndedOnRequest)."""
         self._alive()
+        self.handle.leaving = True
         try:
             paused = await self._store.runs.pause_run(
                 self.run.id, self.owner, pause, correlation_id=self.correlation_id
@@ -168,6 +173,8 @@ class RunContext:
             raise
         except EndingRequested as asked:
             await self._end_as_asked(asked.ending, pause.continuation)
+        finally:
+            self.handle.leaving = False
         self.handle.paused = True
         return paused
 
@@ -184,6 +191,7 @@ class RunContext:
         last saved snapshot's when None). A run asked to end ends as asked instead (EndedOnRequest), unless
         this end is that end."""
         self._alive()
+        self.handle.leaving = True
         try:
             event = await self._store.runs.end_run(
                 self.run.id,
@@ -201,6 +209,8 @@ class RunContext:
         except EndingRequested as asked:
             cont = continuation or self.progress.continuation
             await self._end_as_asked(asked.ending, cont, own_messages)
+        finally:
+            self.handle.leaving = False
         self.handle.ended = True
         return event
 

@@ -137,8 +137,10 @@ class Fleet:
         assert me is not None
 
         def lost() -> None:
-            if handle.ended or handle.paused:
-                return  # it left running by its own write, which the renewal saw; nothing to stop
+            if handle.ended or handle.paused or handle.leaving:
+                # It left running by its own write, which the renewal saw (or its pause or end is in flight,
+                # and that transition's answer says whether the lease was lost): nothing to stop.
+                return
             handle.lost = True
             me.cancel()
 
