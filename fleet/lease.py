@@ -127,7 +127,10 @@ class LeaseKeeper:
                 continue  # it left while the renewal was in flight: nothing to tell it
             found = renewed.get(h.held.run_id)
             if found is None:
-                log.warning("lease lost", extra={"action": "lease_lost", "run_id": h.held.run_id})
+                # Either the lease passed on (the run's task is then stopped, and says so) or the run just
+                # left running by its own pause or end, committed while this renewal ran: the run's holder
+                # tells the two apart (Fleet), so this is not yet news.
+                log.info("lease not renewed", extra={"action": "lease_not_renewed", "run_id": h.held.run_id})
                 self._give_up(h)
                 continue
             h.held_until = asked_at + self._ttl
