@@ -54,7 +54,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from types import TracebackType
-from typing import Any, Generic, Self, TypedDict, TypeVar
+from typing import Any, ClassVar, Generic, Self, TypedDict, TypeVar
 
 from aio_pika.abc import (
     AbstractIncomingMessage,
@@ -339,6 +339,31 @@ class _CommandClient:
         self._owns_connection = owns_connection
         self._publisher = ConfirmingPublisher(connection, COMMANDS_EXCHANGE, mandatory=True, timeout=publish_timeout)
 
+    # The connection's name in the management UI when ``connect`` is not told one.
+    connection_name: ClassVar[str] = "intermission-client"
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        name: str | None = None,
+        publish_timeout: float = 10.0,
+        reconnect_interval: float = 5.0,
+        connect_timeout: float = 5.0,
+        offset: int | None = None,
+    ) -> Self:
+        """A client over a robust connection of its own, closed with the client, as the URL's user. ``url``
+        may list the nodes of a cluster (``publishers.amqp.connect``: each (re)connect tries them in turn)."""
+        connection = await connect(
+            url,
+            name or cls.connection_name,
+            reconnect_interval=reconnect_interval,
+            connect_timeout=connect_timeout,
+            offset=offset,
+        )
+        return cls(connection, user_id=_url_user(url), publish_timeout=publish_timeout, owns_connection=True)
+
     async def __aenter__(self) -> Self:
         return self
 
@@ -399,23 +424,7 @@ class HostClient(_CommandClient):
     approvers counts only if it is one of them. Each method returns the command's ``message_id``.
     """
 
-    @classmethod
-    async def connect(
-        cls,
-        url: str,
-        *,
-        name: str = "intermission-host",
-        publish_timeout: float = 10.0,
-        reconnect_interval: float = 5.0,
-        connect_timeout: float = 5.0,
-        offset: int | None = None,
-    ) -> Self:
-        """A client over a robust connection of its own, closed with the client. ``url`` may list the nodes
-        of a cluster (``publishers.amqp.connect``: each (re)connect tries them in turn)."""
-        connection = await connect(
-            url, name, reconnect_interval=reconnect_interval, connect_timeout=connect_timeout, offset=offset
-        )
-        return cls(connection, user_id=_url_user(url), publish_timeout=publish_timeout, owns_connection=True)
+    connection_name = "intermission-host"
 
     async def start(self, command: StartCommand, **options: Unpack[SendOptions]) -> str:
         return await self.send(Command.START, command, **options)
@@ -476,23 +485,7 @@ class BusClient(_CommandClient):
     broker-validated ``user_id`` is that user.
     """
 
-    @classmethod
-    async def connect(
-        cls,
-        url: str,
-        *,
-        name: str = "intermission-bus",
-        publish_timeout: float = 10.0,
-        reconnect_interval: float = 5.0,
-        connect_timeout: float = 5.0,
-        offset: int | None = None,
-    ) -> Self:
-        """A client over a robust connection of its own, closed with the client. ``url`` may list the nodes
-        of a cluster (``publishers.amqp.connect``: each (re)connect tries them in turn)."""
-        connection = await connect(
-            url, name, reconnect_interval=reconnect_interval, connect_timeout=connect_timeout, offset=offset
-        )
-        return cls(connection, user_id=_url_user(url), publish_timeout=publish_timeout, owns_connection=True)
+    connection_name = "intermission-bus"
 
     async def reply(
         self,
