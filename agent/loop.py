@@ -43,7 +43,7 @@ from intermission.agent.executor import ENDINGS, RunContext
 from intermission.agent.model import ModelClient, ModelRequest, ScriptedModel, ToolSpec
 from intermission.agent.tools import Tool, ToolFailed, ToolKind, ToolRegistry, demo_tools
 from intermission.fleet import points
-from intermission.schemas.answers import call_approvers, shared_approvers
+from intermission.schemas.answers import approval_group, call_approvers
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.errors import (
     BudgetExhausted,
@@ -126,28 +126,10 @@ def _arguments_or_empty(call: ToolCall) -> dict[str, Any]:
 def _approval_group(
     group: list[tuple[ToolCall, Tool, dict[str, Any]]], config: RunConfig
 ) -> tuple[list[tuple[ToolCall, Tool, dict[str, Any]]], list[str] | None]:
-    """The calls one approval pause holds, and who may decide it (None: anyone who may publish for the
-    scope).
-
-    Each call's deciders are the host's list for its tool (``RunConfig.approvers``, from the config the run
-    carries in its continuation, never from the model), narrowed by the list the call's own arguments name
-    (``call_approvers``). One decision approves or denies every call of the pause, so its decider must be
-    one that EVERY call accepts: the pause's list is what the calls' lists share, a call with no list
-    restricting nothing, and no call's list ever widens another's. A call that shares no decider with the
-    calls before it is left out of this pause: it stays open and pauses on its own once this one is
-    answered, as calls of another kind do. So no pause is ever one that nobody may decide, nor one that
-    lets one call's deciders decide another call they were not named for.
-    """
-    held: list[tuple[ToolCall, Tool, dict[str, Any]]] = []
-    deciders: list[str] | None = None
-    for call, tool, args in group:
-        own = call_approvers(config.approvers_for(tool.name), tool.approvers(args))
-        shared = shared_approvers(deciders, own)
-        if held and shared == []:  # (a call's own list is never empty: the first call always holds)
-            continue
-        held.append((call, tool, args))
-        deciders = shared
-    return held, deciders
+    """The calls one approval pause holds and who may decide it (``approval_group``): each call's deciders
+    are the host's list for its tool (``RunConfig.approvers``, from the config the run carries in its
+    continuation, never from the model), narrowed by the list the call's own arguments name."""
+    return approval_group(group, lambda c: call_approvers(config.approvers_for(c[1].name), c[1].approvers(c[2])))
 
 
 def _open_turn(messages: list[Message]) -> tuple[Message, list[ToolCall]] | None:

@@ -63,7 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from intermission.agent.executor import ENDINGS, RunContext
 from intermission.agent.tools import ToolEnv
 from intermission.fleet import points
-from intermission.schemas.answers import call_approvers, shared_approvers
+from intermission.schemas.answers import approval_group, call_approvers
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.errors import (
     BudgetExhausted,
@@ -396,20 +396,12 @@ class _Run:
 
     def _approval_group(self, items: list[ToolApprovalItem]) -> tuple[list[ToolApprovalItem], list[str] | None]:
         """The interrupted calls one pause holds and who may decide it: the demo agent's rule
-        (``agent/loop.py``, ``_approval_group``). Calls that share no decider with the first pause on their
-        own later: the SDK interrupts again for every call left undecided."""
+        (``approval_group``). Calls that share no decider with the first pause on their own later: the SDK
+        interrupts again for every call left undecided."""
         config = self.cont.config
-        held: list[ToolApprovalItem] = []
-        deciders: list[str] | None = None
-        for item in items:
-            name = item.tool_name or ""
-            own = call_approvers(config.approvers_for(name), self._named(item))
-            shared = shared_approvers(deciders, own) if held else own
-            if held and shared == []:
-                continue
-            held.append(item)
-            deciders = shared
-        return held, deciders
+        return approval_group(
+            items, lambda item: call_approvers(config.approvers_for(item.tool_name or ""), self._named(item))
+        )
 
     def _named(self, item: ToolApprovalItem) -> list[str]:
         argument = self.executor.approvers_argument

@@ -78,7 +78,7 @@ from pydantic_ai.usage import RunUsage
 from intermission.agent.executor import ENDINGS, RunContext
 from intermission.agent.tools import ToolEnv
 from intermission.fleet import points
-from intermission.schemas.answers import call_approvers, shared_approvers
+from intermission.schemas.answers import approval_group, call_approvers
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.errors import (
     BudgetExhausted,
@@ -676,19 +676,10 @@ def _batch(requests: DeferredToolRequests, messages: Sequence[ModelMessage]) -> 
 
 
 def _approval_group(group: list[DeferredCall], config: RunConfig) -> tuple[list[DeferredCall], list[str] | None]:
-    """The approval calls one pause holds and who may decide it, as the demo agent groups them: a call whose
-    host-named deciders (``RunConfig.approvers``) share none with the calls before it waits for its own
-    pause. The model names no approvers here (a pydantic-ai tool has no such argument convention)."""
-    held: list[DeferredCall] = []
-    deciders: list[str] | None = None
-    for call in group:
-        own = call_approvers(config.approvers_for(call.name), [])
-        shared = shared_approvers(deciders, own)
-        if held and shared == []:
-            continue
-        held.append(call)
-        deciders = shared
-    return held, deciders
+    """The approval calls one pause holds and who may decide it, as the demo agent groups them
+    (``approval_group``): by the host-named deciders (``RunConfig.approvers``) alone, since a pydantic-ai
+    tool has no argument convention for the model to name approvers."""
+    return approval_group(group, lambda call: call_approvers(config.approvers_for(call.name), []))
 
 
 def _limit_error(message: str, config: RunConfig) -> str:

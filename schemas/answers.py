@@ -8,7 +8,9 @@ worker that takes over needs nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from enum import StrEnum
+from typing import TypeVar
 
 from intermission.schemas.commands import Decision, ToolAnswer
 from intermission.schemas.errors import (
@@ -20,6 +22,8 @@ from intermission.schemas.errors import (
 )
 from intermission.schemas.llm import ToolOutcome
 from intermission.schemas.suspension import Ending, PendingCall, Progress, ProgressResult, SuspendReason, Suspension
+
+C = TypeVar("C")
 
 
 class Source(StrEnum):
@@ -87,6 +91,31 @@ def shared_approvers(one: list[str] | None, other: list[str] | None) -> list[str
     if other is None:
         return one
     return [name for name in one if name in other]
+
+
+def approval_group(
+    calls: Sequence[C], deciders_of: Callable[[C], list[str] | None]
+) -> tuple[list[C], list[str] | None]:
+    """The calls one approval pause holds, in order, and who may decide it (None: anyone who may publish
+    for the scope). ``deciders_of`` gives one call's deciders (``call_approvers``: the host's list for its
+    tool, narrowed by what the call itself names).
+
+    One decision approves or denies every call of the pause, so its decider must be one that EVERY call
+    accepts: the pause's list is what the calls' lists share, a call with no list restricting nothing, and
+    no call's list ever widens another's. A call that shares no decider with the calls before it is left
+    out of this pause: it stays open and pauses on its own once this one is answered, as calls of another
+    kind do. So no pause is ever one that nobody may decide, nor one that lets one call's deciders decide
+    another call they were not named for. (The first call always holds: a call's own list is never empty.)
+    """
+    held: list[C] = []
+    deciders: list[str] | None = None
+    for call in calls:
+        shared = shared_approvers(deciders, deciders_of(call))
+        if held and shared == []:
+            continue
+        held.append(call)
+        deciders = shared
+    return held, deciders
 
 
 def validate_results(pending: list[PendingCall], results: list[ToolAnswer]) -> list[ToolAnswer]:

@@ -6,6 +6,7 @@ import pytest
 
 from intermission.schemas.answers import (
     Source,
+    approval_group,
     call_approvers,
     check_approver,
     check_authority,
@@ -138,3 +139,12 @@ def test_a_reply_must_name_the_question_of_this_pause() -> None:
     assert reply_progress(s, "rw-1", '{"x":1}', owner="w").done[0].content == '{"x":1}'
     with pytest.raises(ResultsMismatch):
         reply_progress(s, "rw-other", "{}", owner="w")
+
+
+def test_an_approval_pause_holds_only_calls_that_share_a_decider() -> None:
+    lists: dict[str, list[str] | None] = {"a": ["alice", "bob"], "b": None, "c": ["bob"], "d": ["dave"], "e": ["bob"]}
+    held, deciders = approval_group(list(lists), lists.__getitem__)
+    # d shares nobody with the calls before it: it waits for a pause of its own.
+    assert (held, deciders) == (["a", "b", "c", "e"], ["bob"])
+    assert approval_group(["d"], lists.__getitem__) == (["d"], ["dave"])
+    assert approval_group(["b"], lists.__getitem__) == (["b"], None)
