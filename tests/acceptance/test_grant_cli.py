@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-import sys
 
 import aio_pika
 import aiormq
@@ -15,9 +13,10 @@ from intermission.publishers.amqp import PublishFailed
 from intermission.publishers.clients import HostClient
 from intermission.schemas.commands import CancelCommand
 from intermission.schemas.scope import Scope
-from tests.acceptance.test_messaging_faults import ROOT, WAIT
+from tests.acceptance.test_messaging_faults import WAIT
 from tests.support.amqp import AmqpUser, Vhost
 from tests.support.confined import Confiner
+from tests.support.worker_process import cli
 
 
 def cli_env(vhost: Vhost, confiner: Confiner) -> dict[str, str]:
@@ -28,20 +27,9 @@ def cli_env(vhost: Vhost, confiner: Confiner) -> dict[str, str]:
 
 
 async def intermission(*args: str, env: dict[str, str]) -> str:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "intermission.ops.cli",
-        *args,
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    async with asyncio.timeout(WAIT):
-        out, err = await proc.communicate()
-    assert proc.returncode == 0, (args, err.decode()[-2000:])
-    return out.decode()
+    ran = await cli(*args, env=env, within=WAIT)
+    assert ran.code == 0, (args, ran.err[-2000:])
+    return ran.out
 
 
 async def refused(url: str, scope: Scope) -> bool:

@@ -4,7 +4,6 @@ RabbitMQ restart while runs pause."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 import uuid
@@ -25,6 +24,7 @@ from intermission.store import Stores
 from tests.support.amqp import Broker
 from tests.support.fleet import outbox_keys
 from tests.support.waiting import eventually
+from tests.support.worker_process import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT = 30.0
@@ -38,24 +38,6 @@ def start(scope: Scope, *turns: dict[str, Any]) -> StartCommand:
         input="hi",
         script=[ScriptTurn.model_validate(t) for t in turns],
     )
-
-
-def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERMISSION_")}
-    env.update(
-        {
-            "INTERMISSION_DATABASE_URL": settings.database_url,
-            "INTERMISSION_AMQP_URL": settings.amqp_url,
-            "INTERMISSION_BUS_USER": settings.bus_user,
-            "INTERMISSION_DELIVERY_LIMIT": str(settings.delivery_limit),
-            "INTERMISSION_LEASE_SECONDS": str(settings.lease_seconds),
-            "INTERMISSION_LEASE_RENEW_SECONDS": str(settings.lease_renew_seconds),
-            "INTERMISSION_RECLAIM_INTERVAL_SECONDS": str(settings.reclaim_interval_seconds),
-            "INTERMISSION_PAUSE_TTL_SECONDS": "0",
-        }
-    )
-    env.update(extra)
-    return env
 
 
 async def paused_through_a_worker(settings: Settings, stores: Stores, host: HostClient, cmd: StartCommand) -> Notice:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 import uuid
@@ -31,6 +30,7 @@ from intermission.schemas.suspension import Notice, SuspendReason
 from intermission.store import Stores
 from tests.support.fleet import charges, outbox_keys
 from tests.support.waiting import eventually
+from tests.support.worker_process import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT = 30.0
@@ -46,23 +46,8 @@ def start(scope: Scope, *turns: dict[str, Any]) -> StartCommand:
     )
 
 
-def worker_env(settings: Settings, crash_at: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERMISSION_")}
-    env.update(
-        {
-            "INTERMISSION_DATABASE_URL": settings.database_url,
-            "INTERMISSION_AMQP_URL": settings.amqp_url,
-            "INTERMISSION_BUS_USER": settings.bus_user,
-            "INTERMISSION_DELIVERY_LIMIT": str(settings.delivery_limit),
-            "INTERMISSION_LEASE_SECONDS": str(settings.lease_seconds),
-            "INTERMISSION_LEASE_RENEW_SECONDS": str(settings.lease_renew_seconds),
-            "INTERMISSION_RECLAIM_INTERVAL_SECONDS": str(settings.reclaim_interval_seconds),
-            "INTERMISSION_PAUSE_TTL_SECONDS": "0",
-            "INTERMISSION_EXECUTOR": EXAMPLE,
-            "INTERMISSION_CRASH_AT": crash_at,
-        }
-    )
-    return env
+def crashing_env(settings: Settings, crash_at: str) -> dict[str, str]:
+    return worker_env(settings, INTERMISSION_EXECUTOR=EXAMPLE, INTERMISSION_CRASH_AT=crash_at)
 
 
 async def paused(settings: Settings, stores: Stores, host: HostClient, cmd: StartCommand) -> Notice:
@@ -89,7 +74,7 @@ async def in_a_worker_that_dies(settings: Settings, crash_at: str, send: Callabl
         "tests.support.crash",
         "worker",
         cwd=ROOT,
-        env=worker_env(settings, crash_at),
+        env=crashing_env(settings, crash_at),
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )

@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 
 from intermission.fleet.settings import Settings
 from intermission.schemas.scope import Scope
-from tests.acceptance.test_messaging_faults import ROOT, WAIT, worker_env
+from tests.acceptance.test_messaging_faults import WAIT
 from tests.support.inspect import Inspector
 from tests.support.metrics import free_port, samples, scrape
 from tests.support.waiting import eventually
+from tests.support.worker_process import cli, cli_process, worker_env
 
 DUE = 2000
 
@@ -54,16 +54,7 @@ async def test_a_prune_killed_midway_leaves_no_run_half_removed(
 ) -> None:
     await ended_runs(db, scope, DUE, days_ago=40)
     env = worker_env(settings, INTERMISSION_PRUNE_BATCH="25", INTERMISSION_PRUNE_MAX_ROWS_PER_SECOND="1500")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "intermission.ops.cli",
-        "prune",
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    proc = await cli_process("prune", env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
 
     async def under_way() -> bool:
         left = await db.con.fetchval("SELECT count(*) FROM runs WHERE id LIKE 'bulk-%'")
@@ -77,20 +68,10 @@ async def test_a_prune_killed_midway_leaves_no_run_half_removed(
     await whole(db)
 
     # The next prune removes exactly what was left.
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "intermission.ops.cli",
-        "prune",
-        cwd=ROOT,
-        env=worker_env(settings),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), WAIT)
-    assert proc.returncode == 0, err.decode()
-    assert f"runs                 removed {left}" in out.decode()
-    assert f"run_events           removed {2 * left}" in out.decode()
+    ran = await cli("prune", env=worker_env(settings), within=WAIT)
+    assert ran.code == 0, ran.err
+    assert f"runs                 removed {left}" in ran.out
+    assert f"run_events           removed {2 * left}" in ran.out
     await whole(db)
     assert await db.con.fetchval("SELECT count(*) FROM runs WHERE id LIKE 'bulk-%'") == 0
 
@@ -106,15 +87,10 @@ async def test_the_sweeper_prunes_by_default_and_reports_it(settings: Settings, 
         scope.tenant,
     )
     port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "intermission.ops.cli",
+    proc = await cli_process(
         "sweeper",
-        cwd=ROOT,
         env=worker_env(settings, INTERMISSION_PRUNE_INTERVAL_SECONDS="0.5", INTERMISSION_METRICS_PORT=str(port)),
         stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
     )
     try:
 

@@ -12,8 +12,9 @@ import asyncio
 import sys
 
 from intermission.fleet.settings import Settings
-from tests.acceptance.test_messaging_faults import ROOT, WAIT, worker_env
+from tests.acceptance.test_messaging_faults import WAIT
 from tests.support.inspect import Inspector
+from tests.support.worker_process import ROOT, worker_env
 
 
 async def test_a_worker_whose_relay_keeps_failing_exits_non_zero_with_the_reason(

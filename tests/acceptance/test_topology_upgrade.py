@@ -5,7 +5,6 @@ after the upgrade the queues still hold every command, and a worker applies each
 from __future__ import annotations
 
 import asyncio
-import sys
 import uuid
 
 import aio_pika
@@ -25,11 +24,12 @@ from intermission.wire import (
     command_queue_arguments,
     message,
 )
-from tests.acceptance.test_messaging_faults import ROOT, WAIT, worker_env
+from tests.acceptance.test_messaging_faults import WAIT
 from tests.support.amqp import DELIVERY_LIMIT, Broker, Vhost
 from tests.support.confined import Confiner
 from tests.support.fleet import fast_settings
 from tests.support.waiting import eventually
+from tests.support.worker_process import cli, cli_process, worker_env
 
 QUEUED = 20
 
@@ -72,21 +72,9 @@ async def publish_starts(url: str, scope: Scope) -> list[str]:
     return run_ids
 
 
-async def cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "intermission.ops.cli",
-        *args,
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    async with asyncio.timeout(WAIT):
-        out, err = await proc.communicate()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+async def intermission(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
+    ran = await cli(*args, env=env, within=WAIT)
+    return ran.code, ran.out, ran.err
 
 
 async def queued_starts(url: str) -> int:
@@ -114,19 +102,19 @@ async def test_upgrade_converts_a_running_direct_deployment_and_keeps_every_queu
     env = worker_env(settings)
 
     # A worker of this version will not run on it, and says how to convert it.
-    code, _, said = await cli("worker", env=env)
+    code, _, said = await intermission("worker", env=env)
     assert code == 1, said[-3000:]
     assert "is not a topic exchange" in said, said[-3000:]
     assert "intermission topology upgrade" in said, said[-3000:]
     assert await queued_starts(url) == QUEUED
 
-    code, out, said = await cli("topology", "upgrade", env=env)
+    code, out, said = await intermission("topology", "upgrade", env=env)
     assert code == 0, said[-3000:]
     assert "converted intermission.commands to a topic exchange" in out
     assert await confiner.exchange_type(COMMANDS_EXCHANGE) == "topic"
     assert await queued_starts(url) == QUEUED
     # Running it again finds nothing to do.
-    code, out, said = await cli("topology", "upgrade", env=env)
+    code, out, said = await intermission("topology", "upgrade", env=env)
     assert (code, out.strip()) == (0, "the topology is up to date"), said[-3000:]
 
     # A worker now applies every command that waited, old bare-keyed ones and a new scoped one alike.
@@ -140,16 +128,7 @@ async def test_upgrade_converts_a_running_direct_deployment_and_keeps_every_queu
         await exchange.publish(message(body.model_dump_json(), message_id=newer, routing_key=key), routing_key=key)
     finally:
         await connection.close()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "intermission.ops.cli",
-        "worker",
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    proc = await cli_process("worker", env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     try:
         wanted = {*run_ids, newer}
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +36,7 @@ from tests.support.amqp import DELIVERY_LIMIT, Broker, Vhost
 from tests.support.factories import lease, paused_run, running_run
 from tests.support.fleet import fast_settings, start_command
 from tests.support.inspect import Inspector, pin
+from tests.support.worker_process import cli
 
 HOUR = 3600.0
 WAIT = 20.0
@@ -315,35 +315,16 @@ async def test_prune_dry_run_counts_without_removing(
     await age(db, "runs", "ended_at", 31 * 86400, "id = ANY($2)", doomed)
     env = {k: v for k, v in os.environ.items() if not k.startswith("INTERMISSION_")}
     env["INTERMISSION_DATABASE_URL"] = database_url
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "intermission.ops.cli",
-        "prune",
-        "--dry-run",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()
-    said = dict(line.split(" would remove ") for line in out.decode().splitlines())
+    ran = await cli("prune", "--dry-run", env=env)
+    assert ran.code == 0, ran.err
+    said = dict(line.split(" would remove ") for line in ran.out.splitlines())
     assert int(said["runs".ljust(20)]) == 3
     assert int(said["run_events".ljust(20)]) == 3
     assert await db.con.fetchval("SELECT count(*) FROM runs WHERE id = ANY($1)", doomed) == 3
 
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "intermission.ops.cli",
-        "prune",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()
-    assert "runs                 removed 3" in out.decode()
+    ran = await cli("prune", env=env)
+    assert ran.code == 0, ran.err
+    assert "runs                 removed 3" in ran.out
     assert await db.con.fetchval("SELECT count(*) FROM runs WHERE id = ANY($1)", doomed) == 0
 
 

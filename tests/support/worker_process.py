@@ -7,7 +7,7 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,34 @@ def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
+
+
+CLI_SECONDS = 60.0
+
+
+def cli_process(
+    *args: str, env: dict[str, str], stdout: int = asyncio.subprocess.PIPE, stderr: int = asyncio.subprocess.PIPE
+) -> Awaitable[asyncio.subprocess.Process]:
+    """``intermission ARGS`` as a process of its own, started from the checkout."""
+    return asyncio.create_subprocess_exec(
+        sys.executable, "-m", "intermission.ops.cli", *args, cwd=ROOT, env=env, stdout=stdout, stderr=stderr
+    )
+
+
+@dataclass(frozen=True)
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+async def cli(*args: str, env: dict[str, str], within: float = CLI_SECONDS) -> CliResult:
+    """Run ``intermission ARGS`` to its end: its exit code and what it printed."""
+    proc = await cli_process(*args, env=env)
+    async with asyncio.timeout(within):
+        out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return CliResult(proc.returncode, out.decode(), err.decode())
 
 
 @dataclass
