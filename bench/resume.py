@@ -101,7 +101,7 @@ from bench.infra import (
     write_results,
 )
 from intermission.fleet.settings import Settings
-from intermission.publishers.amqp import ConfirmingPublisher
+from intermission.publishers.amqp import ConfirmingPublisher, connect
 from intermission.publishers.clients import ALL_KINDS, HostClient, Subscription, host_bindings, version_of
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
@@ -360,7 +360,8 @@ async def declare_topology(url: str) -> None:
     # The broker may be restarting (the machine is shared): give it a minute before giving up.
     for attempt in range(60):
         try:
-            connection = await aio_pika.connect(url)
+            # The product's connect: ``url`` may list the nodes of a cluster (bench.cluster measures on one).
+            connection = await connect(url, "bench topology")
             break
         except (OSError, aio_pika.exceptions.AMQPConnectionError):
             if attempt == 59:

@@ -250,6 +250,14 @@ class AckPolicy:
     async def _settle(self, message: AbstractIncomingMessage, command: Command) -> None:
         delivery = delivery_of(message, command)
         extra = {"message_id": delivery.message_id, "routing_key": delivery.routing_key}
+        if message.redelivered:
+            # Delivered before and never acknowledged: its consumer died, its channel or node was lost, or
+            # it was requeued. Rare when all is well, so worth a line: after a node loss, these say how many
+            # commands it cost (the inbox makes each one harmless).
+            log.info(
+                "command delivered again",
+                extra={"action": "redelivered", "delivery_count": message.headers.get("x-delivery-count"), **extra},
+            )
         try:
             message_id = check_envelope(delivery)
             check_body_limits(delivery.body, self.limits.body_bytes(command))

@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     amqp_connect_timeout_seconds: float = Field(default=5.0, gt=0)
     # The wait after a failed (re)connect attempt (every node tried) before the next one.
     amqp_reconnect_seconds: float = Field(default=5.0, gt=0)
+    # Which node of INTERMISSION_AMQP_URL's list this process tries first (0 for the first listed): the
+    # node in the process's own zone, say. Unset, the start is taken from the pid, so that the processes
+    # of a machine spread over the nodes. Reconnects go on from the node used last either way.
+    amqp_first_node: int | None = Field(default=None, ge=0)
     # The RabbitMQ user whose broker-validated user_id marks a message as the messaging bus's reply.
     bus_user: str = "intermission-bus"
     # Deliveries each command queue's consumer may hold unacknowledged (RabbitMQ's prefetch, per consumer).

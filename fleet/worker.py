@@ -26,6 +26,7 @@ from intermission.consumers.policy import AckPolicy, CommandLimits
 from intermission.consumers.rejection import Rejecter
 from intermission.consumers.service import CommandConsumers
 from intermission.fleet import points
+from intermission.fleet.identity import incarnation, session_name
 from intermission.fleet.pruning import PRUNER_TASK, PruneLoop
 from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
@@ -74,6 +75,7 @@ async def running_worker(
 ) -> AsyncIterator[Worker]:
     """A worker with everything started; stopped gracefully on leaving."""
     own_stores = stores is None
+    owner = incarnation()
     if stores is None:
         # relayed: this process's commits wake its own relay in-process and notify nobody (store/db.py).
         stores = await Stores.connect(
@@ -81,16 +83,23 @@ async def running_worker(
             max_size=settings.pool_max_size,
             relayed=True,
             connect_timeout=settings.database_connect_timeout_seconds,
+            application_name=session_name("worker", owner),
         )
     metrics = WorkerMetrics()
     supervisor = Supervisor(on_restart=lambda task: metrics.task_restarts.labels(task).inc())
     fleet = Fleet(
-        stores, settings, executor or load_executor(settings.executor), metrics=metrics, supervisor=supervisor
+        stores,
+        settings,
+        executor or load_executor(settings.executor),
+        owner=owner,
+        metrics=metrics,
+        supervisor=supervisor,
     )
     connection = await connect(
         settings.amqp_url,
         f"intermission-worker {fleet.owner}",
         reconnect_interval=settings.amqp_reconnect_seconds,
+        offset=settings.amqp_first_node,
         connect_timeout=settings.amqp_connect_timeout_seconds,
     )
     try:
@@ -212,12 +221,16 @@ async def sweep(settings: Settings, stop: asyncio.Event | None = None) -> None:
     at once."""
     stop = stop or asyncio.Event()
     stores = await Stores.connect(
-        settings.database_url, max_size=2, connect_timeout=settings.database_connect_timeout_seconds
+        settings.database_url,
+        max_size=2,
+        connect_timeout=settings.database_connect_timeout_seconds,
+        application_name=session_name("sweeper", incarnation("sweeper")),
     )
     connection = await connect(
         settings.amqp_url,
         "intermission-sweeper",
         reconnect_interval=settings.amqp_reconnect_seconds,
+        offset=settings.amqp_first_node,
         connect_timeout=settings.amqp_connect_timeout_seconds,
     )
     try:

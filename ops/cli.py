@@ -81,6 +81,7 @@ async def on_broker(settings: Settings, use: Callable[[AbstractRobustConnection]
         settings.amqp_url,
         "intermission-cli",
         reconnect_interval=settings.amqp_reconnect_seconds,
+        offset=settings.amqp_first_node,
         connect_timeout=settings.amqp_connect_timeout_seconds,
     )
     try:

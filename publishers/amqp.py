@@ -174,6 +174,14 @@ def with_credentials(url: str, user: str, password: str) -> str:
     return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{hosts}{tail}"
 
 
+def with_vhost(url: str, vhost: str) -> str:
+    """``url`` (one node or a list) on ``vhost``: the same nodes, credentials and query."""
+    amqp_nodes(url)
+    scheme, userinfo, at, hosts, tail = _split(url)
+    query = tail[tail.index("?") :] if "?" in tail else ""
+    return f"{scheme}://{userinfo}{at}{hosts}/{quote(vhost, safe='')}{query}"
+
+
 def amqp_nodes(url: str) -> list[URL]:
     """The broker nodes of ``url``: one URL per node, in the order listed.
 

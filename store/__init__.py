@@ -74,11 +74,23 @@ class Stores:
 
     @classmethod
     async def connect(
-        cls, dsn: str, *, min_size: int = 1, max_size: int = 10, relayed: bool = False, connect_timeout: float = 60.0
+        cls,
+        dsn: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 10,
+        relayed: bool = False,
+        connect_timeout: float = 60.0,
+        application_name: str = "intermission",
     ) -> Stores:
         return cls(
             await Database.connect(
-                dsn, min_size=min_size, max_size=max_size, relayed=relayed, connect_timeout=connect_timeout
+                dsn,
+                min_size=min_size,
+                max_size=max_size,
+                relayed=relayed,
+                connect_timeout=connect_timeout,
+                application_name=application_name,
             )
         )
 

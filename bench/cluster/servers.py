@@ -36,6 +36,10 @@ MARKER = Path(
     os.environ.get("INTERMISSION_CLUSTER_STATE") or Path(tempfile.gettempdir()) / "intermission-cluster.state"
 )
 CTL_SECONDS = 120.0
+# The application_name every standby streams under, and the primary's synchronous_standby_names.
+STANDBY_NAME = "standby"
+# Network namespaces of the partition fault are named so (bench/cluster/partition.py).
+NETNS_PREFIX = "im-part-"
 
 
 def binaries() -> Path | None:
@@ -144,6 +148,64 @@ class PgServer:
             command = ["runuser", "-u", "postgres", "--", *command]
         return await _run(*command)
 
+    def postmaster_pid(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
+
+    def running(self) -> bool:
+        pid = self.postmaster_pid()
+        if pid is None:
+            return False
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        # A killed postmaster is a zombie until whoever adopted it reaps it (a container's init may not).
+        return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+    def kill_group(self) -> int | None:
+        """SIGKILL the postmaster's whole process group (the postmaster and every backend: a machine lost,
+        not a server stopped); the group, if the server was running. ``pg_ctl`` starts the postmaster in a
+        session of its own, so its group is its own."""
+        pid = self.postmaster_pid()
+        if pid is None or not self.running():
+            return None
+        group = os.getpgid(pid)
+        if group == os.getpgrp():
+            raise RuntimeError(f"the postmaster {pid} shares the harness's process group")
+        os.killpg(group, signal.SIGKILL)
+        return group
+
+    async def promote(self, bin_dir: Path) -> None:
+        await self.tool(bin_dir, "pg_ctl", "-D", str(self.data), "-w", "promote")
+
+    async def follow(self, bin_dir: Path, primary: PgServer, hba: Path) -> None:
+        """Become a streaming standby of ``primary`` (``pg_basebackup -R`` into an empty data directory,
+        named ``standby`` in the primary's ``synchronous_standby_names``) and start."""
+        await asyncio.to_thread(shutil.rmtree, self.data, True)
+        await self.tool(
+            bin_dir,
+            "pg_basebackup",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(primary.port),
+            "-U",
+            "postgres",
+            "-D",
+            str(self.data),
+            "-R",
+            "-X",
+            "stream",
+            # At once, not at the primary's next scheduled checkpoint (minutes away under a light load).
+            "--checkpoint=fast",
+            "-d",
+            f"host=127.0.0.1 port={primary.port} user=postgres application_name={STANDBY_NAME}",
+        )
+        await self.start(bin_dir, "hba_file=" + str(hba), "hot_standby=on")
+
     async def start(self, bin_dir: Path, *settings: str) -> None:
         options = " ".join(
             [f"-p {self.port}", f"-k {self.folder}", "-c listen_addresses=127.0.0.1", *(f"-c {s}" for s in settings)]
@@ -213,28 +275,13 @@ class Servers:
             "wal_level=replica",
             "max_wal_senders=5",
             "synchronous_commit=on",
-            "synchronous_standby_names=standby",
+            f"synchronous_standby_names={STANDBY_NAME}",
             "hba_file=" + str(self._hba(pg)),
         )
-        s = self.standby
-        await s.tool(
-            bin_dir,
-            "pg_basebackup",
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(p.port),
-            "-U",
-            "postgres",
-            "-D",
-            str(s.data),
-            "-R",
-            "-X",
-            "stream",
-            "-d",
-            f"host=127.0.0.1 port={p.port} user=postgres application_name=standby",
-        )
-        await s.start(bin_dir, "hba_file=" + str(self._hba(pg)), "hot_standby=on")
+        await self.standby.follow(bin_dir, p, self._hba(pg))
+
+    def hba(self) -> Path:
+        return self.primary.folder / "pg_hba.conf"
 
     def _hba(self, folder: Path) -> Path:
         hba = folder / "pg_hba.conf"
@@ -244,11 +291,6 @@ class Servers:
         if os.geteuid() == 0:
             shutil.chown(hba, "postgres", "postgres")
         return hba
-
-    async def promote_standby(self) -> None:
-        bin_dir = binaries()
-        assert bin_dir is not None
-        await self.standby.tool(bin_dir, "pg_ctl", "-D", str(self.standby.data), "-w", "promote")
 
     async def cluster_status(self) -> str:
         return await self.rabbits[0].ctl("cluster_status")
@@ -268,14 +310,23 @@ async def cleanup(folder: Path | None = None) -> list[str]:
             node.kill()
     bin_dir = binaries()
     for pg in (servers.standby, servers.primary):
-        if bin_dir is not None and pg.data.exists():
+        if bin_dir is not None and pg.data.exists() and pg.running():
             try:
                 await pg.tool(bin_dir, "pg_ctl", "-D", str(pg.data), "-m", "immediate", "-w", "stop")
             except RuntimeError as exc:
                 if "Is server running?" not in str(exc):
                     problems.append(str(exc)[:300])
+    for netns in await asyncio.to_thread(_namespaces):
+        try:
+            await _run("ip", "netns", "del", netns)
+        except RuntimeError as exc:
+            problems.append(str(exc)[:300])
     await asyncio.to_thread(_remove, folder)
     return problems
+
+
+def _namespaces() -> list[str]:
+    return [p.name for p in Path("/run/netns").glob(NETNS_PREFIX + "*")]
 
 
 def _marked() -> Path | None:

@@ -26,8 +26,8 @@ The invariants (docs/invariants.md, as the soak can observe them):
   principal it accepts; every refusal heard in the scope its command's routing key names (never the scope a
   body merely claims); nothing of a command that reached for another tenant (mallory's) heard in that
   tenant's scope or recorded in any scope's inbox.
-- ``outbox_delivered``: nothing is left unsent in the outbox, and every row reached the events exchange
-  with its own message id and body.
+- ``outbox_delivered``: nothing is left unsent in the outbox, every row reached the events exchange with
+  its own message id and body, and every event heard (refusals aside) still has its row.
 - ``expiries``: a run whose pause deadline passed unanswered ended failed with a ``suspension_expired``
   error after that deadline, no run expired that was answered in time, and no live pause is past its
   deadline.
@@ -58,7 +58,7 @@ INVARIANTS: dict[str, str] = {
     "notices_heard": "the host's and the bus's durable subscriptions delivered every notice",
     "one_effect_per_command": "every accepted command had exactly one effect, every refused one a refusal",
     "scope_and_authority": "nothing at another scope or without authority changed anything",
-    "outbox_delivered": "nothing left unsent in the outbox; every row delivered as written",
+    "outbox_delivered": "nothing left unsent in the outbox; every row delivered as written; every event a row",
     "expiries": "a pause whose deadline passed unanswered ended its run failed with suspension_expired",
     "ends_match_events": "every ended run wrote exactly one terminal event of its state's kind",
 }
@@ -88,6 +88,8 @@ class CheckResult:
     checked: Counter[str] = field(default_factory=Counter)
     violations: list[Violation] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    # Invariants a site checks besides the soak's own (``bench/soak/site.py``), with what each means.
+    site_invariants: dict[str, str] = field(default_factory=dict)
 
     def fail(self, invariant: str, subject: str, expected: str, found: str) -> None:
         self.violations.append(Violation(invariant, subject, expected, found))
@@ -793,6 +795,22 @@ class Checker:
                         f"{delivery.routing_key}: {delivery.text[:200]}",
                     )
                     break
+        # The other way round: every event heard came from an outbox row that is still there. On a cluster
+        # this is what says a failover lost no committed event: the relay publishes only committed rows, so
+        # an event heard without its row means a commit the new primary does not have. Refusals are the
+        # one kind published straight from the consumer (they record nothing, by design).
+        rows = {row["message_id"] for row in self.snap.outbox}
+        for mid, deliveries in self.captured.items():
+            if deliveries[0].routing_key.startswith("command.rejected."):
+                continue
+            self.result.checked[inv] += 1
+            if mid not in rows:
+                self.fail(
+                    inv,
+                    f"event {mid} ({deliveries[0].routing_key})",
+                    "an outbox row with its message id (it was committed before it was published)",
+                    "no such row",
+                )
 
     # --- expiries ----------------------------------------------------------------------------------
 

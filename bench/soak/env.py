@@ -28,15 +28,18 @@ import shlex
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
-from yarl import URL
 
 from intermission.ops.grants import NOTHING, host_permissions
+from intermission.publishers.amqp import amqp_nodes, with_credentials, with_vhost
 from intermission.schemas.scope import Scope
 from intermission.store.migrate import migrate
+
+if TYPE_CHECKING:
+    from bench.soak.site import Endpoints
 from intermission.wire import COMMANDS_EXCHANGE, EVENTS_EXCHANGE
 from tests.support.rabbitctl import delete_vhosts, full_rights, rabbitmqctl, user_definition, write_definitions
 
@@ -124,7 +127,7 @@ class SoakEnv:
     created_vhost: bool = False
 
     @classmethod
-    def new(cls, tag: str, scopes: list[Scope], mallory_scope: Scope) -> SoakEnv:
+    def new(cls, tag: str, scopes: list[Scope], mallory_scope: Scope, endpoints: Endpoints) -> SoakEnv:
         confined: dict[str, tuple[Scope, ...] | None] = dict.fromkeys(TRUSTED_ROLES)
         confined.update({host_role(i): (scope,) for i, scope in enumerate(scopes)})
         confined.update({role: tuple(scopes) for role in APPROVER_ROLES})
@@ -135,9 +138,9 @@ class SoakEnv:
         }
         return cls(
             tag=tag,
-            server_dsn=server_dsn(),
-            admin_url=amqp_admin_url(),
-            ctl=rabbitmqctl_argv(),
+            server_dsn=endpoints.server_dsn,
+            admin_url=endpoints.admin_url,
+            ctl=list(endpoints.ctl),
             users=users,
             scopes=list(scopes),
             mallory_scope=mallory_scope,
@@ -160,12 +163,13 @@ class SoakEnv:
         return f"intermission-soak-{self.tag}"
 
     def amqp_url(self, role: str | None = None) -> str:
-        """The vhost's URL as ``role``'s user (the administrator's when None)."""
-        url = URL(self.admin_url).with_path("/" + self.vhost)
+        """The vhost's URL (one node or the list of a cluster's) as ``role``'s user (the administrator's
+        when None)."""
+        url = with_vhost(self.admin_url, self.vhost)
         if role is not None:
             user = self.users[role]
-            url = url.with_user(user.name).with_password(user.password)
-        return str(url)
+            url = with_credentials(url, user.name, user.password)
+        return url
 
     def user(self, role: str) -> str:
         return self.users[role].name
@@ -185,7 +189,7 @@ class SoakEnv:
         await migrate(self.database_url)
 
     async def _create_vhost(self) -> None:
-        admin = URL(self.admin_url).user or "guest"
+        admin = amqp_nodes(self.admin_url)[0].user or "guest"
         # The administrator (the topology, the harness's observer) and the fleet's identities may do
         # anything in the vhost; hosts, approvers and mallory only what the broker lets a confined host do.
         permissions = [full_rights(admin, self.vhost)]
@@ -218,7 +222,10 @@ class SoakEnv:
             except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
                 problems.append(f"database {self.database} not dropped: {exc}")
         if self.created_vhost:
-            problems.extend(await self._delete_vhost_and_users())
+            try:
+                problems.extend(await self._delete_vhost_and_users())
+            except RuntimeError as exc:
+                problems.append(f"vhost {self.vhost} not deleted: {exc}")
         return problems
 
     async def _delete_vhost_and_users(self) -> list[str]:

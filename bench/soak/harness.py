@@ -11,10 +11,9 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import aio_pika
 import asyncpg
 
 from bench.soak.actors import FOREIGN_APP, Actors, Sender, Simulator
@@ -27,8 +26,9 @@ from bench.soak.procs import ProcessPool, worker_environment
 from bench.soak.profile import Profile
 from bench.soak.report import Report
 from bench.soak.scripts import choose
-from bench.soak.servers import ServerFaults, find_pg_cluster, restore_after_crash
-from intermission.publishers.amqp import safe_url
+from bench.soak.servers import restore_after_crash
+from bench.soak.site import FaultPlan, LocalSite, Site, SoakRun
+from intermission.publishers.amqp import connect, safe_url
 from intermission.schemas.scope import Scope
 from intermission.wire import COMMAND_QUEUES, declare
 
@@ -52,11 +52,13 @@ class Options:
     profile: Profile
     seed: int
     keep: bool = False
+    # Where it runs: the machine's own servers unless told otherwise (bench/soak/site.py).
+    site: Site = field(default_factory=LocalSite)
 
 
 async def _wait_consumers(url: str, wanted: int) -> None:
     """Until every command queue has ``wanted`` consumers (the workers are up)."""
-    connection = await aio_pika.connect(url)
+    connection = await connect(url, "soak readiness")
     try:
         deadline = time.monotonic() + READY_SECONDS
         while True:
@@ -168,7 +170,8 @@ async def soak(options: Options, say: Say) -> Report:
     ledger = Ledger(seed=seed)
     tag = f"{seed}_{uuid.uuid4().hex[:6]}"
     scopes = [Scope(app=f"soak-{seed % 1000}", tenant=f"t{i}") for i in range(SCOPE_COUNT)]
-    env = SoakEnv.new(tag, scopes, Scope(app=FOREIGN_APP, tenant="mallory"))
+    site = options.site
+    env = SoakEnv.new(tag, scopes, Scope(app=FOREIGN_APP, tenant="mallory"), site.endpoints)
     logdir = Path(tempfile.mkdtemp(prefix=f"intermission-soak-{tag}-"))
     say(
         f"soak {profile.name}: seed {seed}, {profile.runs} runs over {profile.load_seconds:.0f} s, "
@@ -181,16 +184,13 @@ async def soak(options: Options, say: Say) -> Report:
     try:
         await env.create()
         # The topology first, so that the capture is bound before any event can be published.
-        admin = await aio_pika.connect(env.amqp_url())
+        admin = await connect(env.amqp_url(), "soak topology")
         try:
             await declare(await admin.channel(), delivery_limit=DELIVERY_LIMIT)
         finally:
             await admin.close()
         observer = Observer(env.amqp_url())
         await observer.start()
-        servers = ServerFaults(env.ctl, env.server_dsn, env.database, find_pg_cluster(env.server_dsn))
-        if servers.pg_cluster is None:
-            ledger.notes.append("no local PostgreSQL cluster found: pg_restart faults are skipped")
         worker_env = worker_environment(
             database_url=env.database_url,
             amqp_url=env.amqp_url("worker"),
@@ -202,6 +202,7 @@ async def soak(options: Options, say: Say) -> Report:
             shutdown_grace=SHUTDOWN_GRACE,
         )
         worker_env["INTERMISSION_DELIVERY_LIMIT"] = str(DELIVERY_LIMIT)
+        worker_env.update(site.fleet_env())
         # The sweepers publish their run.expire commands as an identity of their own.
         sweeper_env = {**worker_env, "INTERMISSION_AMQP_URL": env.amqp_url("sweeper")}
         pool = ProcessPool(
@@ -215,6 +216,8 @@ async def soak(options: Options, say: Say) -> Report:
         )
         await pool.start()
         await _wait_consumers(env.amqp_url(), profile.workers)
+        run = SoakRun(profile, env, ledger, pool, observer, seeded(seed, "site"), logdir)
+        plan = site.fault_plan(run)
         setup_seconds = time.monotonic() - began
         say(f"setup took {setup_seconds:.1f} s; load begins")
 
@@ -241,7 +244,7 @@ async def soak(options: Options, say: Say) -> Report:
             bus_subscription = await stack.enter_async_context(actors.bus.subscribe())
             listeners.append(asyncio.create_task(sim.bus_loop(bus_subscription), name="bus"))
             try:
-                drained = await _load_and_drain(profile, seed, ledger, env, observer, sim, pool, servers, say, hard_end)
+                drained = await _load_and_drain(profile, seed, ledger, env, observer, sim, pool, plan, say, hard_end)
             finally:
                 for task in listeners:
                     task.cancel()
@@ -257,6 +260,7 @@ async def soak(options: Options, say: Say) -> Report:
             foreign_app=FOREIGN_APP,
             mallory=env.user("mallory"),
         )
+        figures = await site.verify(run, result)
         report = Report(
             profile=profile,
             seed=seed,
@@ -270,6 +274,7 @@ async def soak(options: Options, say: Say) -> Report:
             crashes_not_reached=pool.crashes_not_reached,
             processes_started=pool.spawned,
             publish_retries=sender.retries,
+            extra=figures,
         )
         if result.violations:
             keep_logs = True
@@ -299,13 +304,13 @@ async def _load_and_drain(
     observer: Observer,
     sim: Simulator,
     pool: ProcessPool,
-    servers: ServerFaults,
+    plan: FaultPlan,
     say: Say,
     hard_end: float,
 ) -> bool:
     approvers = sorted(sim.actors.approvers)
     chosen = [choose(seeded(seed, "run", n), approvers, profile.deadline_seconds) for n in range(profile.runs)]
-    injector = Injector(profile, seeded(seed, "faults"), ledger, pool, servers, sim)
+    injector = Injector(profile, seeded(seed, "faults"), ledger, pool, plan, sim)
     stop = asyncio.Event()
     ledger.load_started = time.monotonic()
     until = ledger.load_started + profile.load_seconds

@@ -2,9 +2,10 @@
 
 - Infrastructure faults, drawn from shuffled decks so every kind comes up in every profile: SIGKILL and
   SIGTERM of a worker (a new one is started each time), an extra worker started with
-  ``INTERMISSION_CRASH_AT`` at one of the worker's crash points (it kills itself there), terminating the
-  soak database's backends, and (one per deck, in turn) a RabbitMQ ``stop_app``/``start_app``, a
-  PostgreSQL stop/start of 30 s (a managed failover's length) or a short one.
+  ``INTERMISSION_CRASH_AT`` at one of the worker's crash points (it kills itself there), and the site's
+  server faults (``bench/soak/site.py``): on the machine's own servers, terminating the soak database's
+  backends and (one per deck, in turn) a RabbitMQ ``stop_app``/``start_app``, a PostgreSQL stop/start of
+  30 s (a managed failover's length) or a short one.
 - Command faults: malformed (a body acting in another scope than its key's among them), hostile (nested
   5,000 deep, a 250-byte message id, a header that is not UTF-8, numbers past what the database holds) and
   oversized commands, an unknown run, duplicates and reordered commands, mallory's reach for another
@@ -28,22 +29,19 @@ from bench.soak.actors import HOSTILE_VARIANTS, MALFORMED_VARIANTS, Simulator
 from bench.soak.ledger import Ledger
 from bench.soak.procs import ProcessPool
 from bench.soak.profile import Profile
-from bench.soak.servers import ServerFaults
+from bench.soak.site import FaultPlan
 from intermission.fleet import points
 
 log = logging.getLogger("soak.injector")
 
+# The fleet's own faults; a site adds its server faults to them (``bench/soak/site.py``).
 LIGHT = (
     "worker_sigkill",
     "worker_sigkill",
     "worker_sigterm",
     "worker_crash_point",
     "worker_crash_point",
-    "pg_terminate_backends",
 )
-# One per deck, in turn. The long outage is as long as a managed database's failover (30 s): commands that
-# arrive meanwhile must be held and applied once it is back, never dead-lettered.
-HEAVY = ("rabbitmq_restart", "pg_outage_long", "pg_restart")
 # The crash points a worker process reaches (after_claim is the in-process control's, not the consumers').
 CRASH_POINTS = (points.AFTER_COMMIT, points.AFTER_STARTED, points.BETWEEN_STEPS, points.AFTER_PAUSE)
 # Malformed commands come twice a deck: they need no pause, and their eight variants (taken in turn) should
@@ -81,14 +79,14 @@ class Injector:
         rng: random.Random,
         ledger: Ledger,
         pool: ProcessPool,
-        servers: ServerFaults,
+        plan: FaultPlan,
         sim: Simulator,
     ) -> None:
         self.profile = profile
         self.rng = rng
         self.ledger = ledger
         self.pool = pool
-        self.servers = servers
+        self.plan = plan
         self.sim = sim
         self._crashes = 0
         self._heavy = 0
@@ -104,8 +102,10 @@ class Injector:
             if stop.is_set() or time.monotonic() >= until:
                 return
             if not deck:
-                deck = [*LIGHT * self.profile.light_per_deck, HEAVY[self._heavy % len(HEAVY)]]
-                self._heavy += 1
+                deck = [*(LIGHT + self.plan.light) * self.profile.light_per_deck]
+                for _ in range(self.plan.heavy_per_deck if self.plan.heavy else 0):
+                    deck.append(self.plan.heavy[self._heavy % len(self.plan.heavy)])
+                    self._heavy += 1
                 self.rng.shuffle(deck)
             kind = deck.pop()
             at = time.monotonic()
@@ -134,19 +134,10 @@ class Injector:
                 self._crashes += 1
                 return f"{point}: {started}"
             return None
-        if kind == "pg_terminate_backends":
-            return f"{await self.servers.pg_terminate()} backends terminated"
-        if kind == "rabbitmq_restart":
-            down = await self.servers.rabbit_outage(self.rng.uniform(*self.profile.rabbit_down))
-            return f"stop_app .. start_app, {down:.1f} s"
-        if kind in ("pg_restart", "pg_outage_long"):
-            if self.servers.pg_cluster is None:
-                self.ledger.notes.append(f"{kind} skipped: no local cluster to stop and start")
-                return None
-            hold = self.profile.pg_long_down if kind == "pg_outage_long" else self.rng.uniform(*self.profile.pg_down)
-            down = await self.servers.pg_outage(hold)
-            return f"pg_ctlcluster stop .. start, {down:.1f} s until it answered"
-        raise AssertionError(kind)
+        action = self.plan.actions.get(kind)
+        if action is None:
+            raise AssertionError(f"no action for fault {kind!r}")
+        return await action()
 
     async def command_loop(self, until: float, stop: asyncio.Event) -> None:
         deck: list[str] = []

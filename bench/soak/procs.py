@@ -18,7 +18,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +39,14 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
 @dataclass
 class Proc:
     name: str
@@ -46,6 +54,8 @@ class Proc:
     process: asyncio.subprocess.Process
     log_path: Path
     crash_at: str | None = None
+    # Started for one fault and stopped by it (a worker in a network namespace): never replaced.
+    extra: bool = False
     started: float = field(default_factory=time.monotonic)
     # Set before the harness kills or stops it: its exit is not news.
     expected_exit: bool = False
@@ -88,10 +98,20 @@ class ProcessPool:
 
     # --- spawning ----------------------------------------------------------------------------------
 
-    async def _spawn(self, kind: str, *, crash_at: str | None = None, crash_after: int = 0) -> Proc:
+    async def _spawn(
+        self,
+        kind: str,
+        *,
+        crash_at: str | None = None,
+        crash_after: int = 0,
+        label: str = "",
+        enter: Callable[[], None] | None = None,
+        extra: bool = False,
+        overrides: Mapping[str, str] | None = None,
+    ) -> Proc:
         self._count += 1
-        name = f"{kind}-{self._count}" + (f"-crash-{crash_at}" if crash_at else "")
-        env = dict(self._envs[kind])
+        name = f"{kind}-{self._count}" + (f"-crash-{crash_at}" if crash_at else "") + (f"-{label}" if label else "")
+        env = {**self._envs[kind], **(overrides or {})}
         if crash_at:
             env["INTERMISSION_CRASH_AT"] = crash_at
             env["INTERMISSION_CRASH_AFTER"] = str(crash_after)
@@ -108,9 +128,9 @@ class ProcessPool:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=stderr,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_die_with_parent if enter is None else _then(_die_with_parent, enter),
             )
-        proc = Proc(name=name, kind=kind, process=process, log_path=log_path, crash_at=crash_at)
+        proc = Proc(name=name, kind=kind, process=process, log_path=log_path, crash_at=crash_at, extra=extra)
         self._procs.append(proc)
         watcher = asyncio.create_task(self._watch(proc), name=f"watch:{name}")
         self._watchers.add(watcher)
@@ -121,6 +141,9 @@ class ProcessPool:
         proc.returncode = await proc.process.wait()
         proc.exited.set()
         if proc.expected_exit or self._stopping:
+            return
+        if proc.extra:
+            self._unexpected(proc)
             return
         if proc.crash_at is not None:
             if proc.returncode == -signal.SIGKILL:
@@ -151,8 +174,12 @@ class ProcessPool:
         return [
             p
             for p in self._procs
-            if p.kind == kind and p.alive and not p.expected_exit and (p.crash_at is None) == normal
+            if p.kind == kind and p.alive and not p.expected_exit and not p.extra and (p.crash_at is None) == normal
         ]
+
+    def pids(self) -> dict[int, str]:
+        """Every running process of the fleet, by pid: its name."""
+        return {p.process.pid: p.name for p in self._procs if p.alive}
 
     # --- faults ------------------------------------------------------------------------------------
 
@@ -180,6 +207,43 @@ class ProcessPool:
             self._unexpected(proc, "when stopped with SIGTERM")
         await self._spawn("worker")
         return f"{proc.name} ({sig.name}, exited {proc.returncode} after {took:.1f} s)"
+
+    async def stall_worker(self, seconds: float) -> str | None:
+        """SIGSTOP a random normal worker for ``seconds`` (a process that stops answering without dying: a
+        long GC pause, a frozen VM), then SIGCONT it, always. Its leases lapse meanwhile and are taken over;
+        once it runs again, every write it still attempts under them must be refused."""
+        candidates = self.live()
+        if not candidates:
+            return None
+        proc = self._rng.choice(candidates)
+        with contextlib.suppress(ProcessLookupError):
+            proc.process.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.process.send_signal(signal.SIGCONT)
+        return f"{proc.name} stopped for {seconds:.1f} s"
+
+    async def start_extra_worker(
+        self, label: str, *, enter: Callable[[], None] | None = None, overrides: Mapping[str, str] | None = None
+    ) -> Proc:
+        """Start a worker for one fault, with ``overrides`` in its environment, that first runs ``enter`` in
+        the child when given (before it executes Python: entering a network namespace); it is the caller's
+        to stop (``stop_extra``), and never replaced."""
+        return await self._spawn("worker", label=label, enter=enter, extra=True, overrides=overrides)
+
+    async def stop_extra(self, proc: Proc) -> None:
+        proc.expected_exit = True
+        with contextlib.suppress(ProcessLookupError):
+            proc.process.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(self._grace + 15.0):
+                await proc.exited.wait()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.process.kill()
+            await proc.exited.wait()
 
     async def crash_worker(self, point: str, after: int) -> str | None:
         """Start an extra worker that SIGKILLs itself at ``point`` (after ``after`` earlier passes); it is

@@ -41,6 +41,10 @@ class Report:
     def violations(self) -> list[str]:
         return [str(v) for v in self.result.violations]
 
+    def invariants(self) -> dict[str, str]:
+        """Every invariant checked, the soak's and its site's, with what it means."""
+        return {**INVARIANTS, **self.result.site_invariants}
+
     def recovery(self) -> list[float]:
         """For each fault injected, the seconds until the next run.completed was delivered after it."""
         done = sorted(self.completions)
@@ -99,7 +103,7 @@ class Report:
                 "median_seconds": round(statistics.median(gaps), 2) if gaps else None,
                 "max_seconds": round(max(gaps), 2) if gaps else None,
             },
-            "invariants_checked": {name: self.result.checked.get(name, 0) for name in INVARIANTS},
+            "invariants_checked": {name: self.result.checked.get(name, 0) for name in self.invariants()},
             "violations": self.violations,
             "unexpected_exits": list(self.ledger.unexpected_exits),
             "notes": list(self.ledger.notes),
@@ -133,7 +137,8 @@ class Report:
         )
         lines.append(f"processes started: {d['processes_started']}; harness publish retries: {d['publish_retries']}")
         lines.append("invariants checked:")
-        lines += [f"  {name:<24} {count:>6}  {INVARIANTS[name]}" for name, count in d["invariants_checked"].items()]
+        meaning = self.invariants()
+        lines += [f"  {name:<24} {count:>6}  {meaning[name]}" for name, count in d["invariants_checked"].items()]
         if d["unexpected_exits"]:
             lines.append(f"processes that exited on their own: {len(d['unexpected_exits'])}")
             lines += [f"  {e}" for e in d["unexpected_exits"][:20]]

@@ -7,7 +7,8 @@ exactly what a kernel OOM kill or a lost machine does.
     python -m tests.support.crash worker     # the intermission CLI, crashing where the environment says
 
 The crash tests and the soak start their crashing workers this way; the product itself never kills
-itself.
+itself. When ``INTERMISSION_TEST_CHARGE_JOURNAL`` names a file, the demo's charges are also journalled
+there (``tests/support/charge_journal.py``), outside the database.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import signal
 
 from intermission.fleet import points
+from tests.support import charge_journal
 
 
 def install_from_environment() -> None:
@@ -40,6 +42,7 @@ def install_from_environment() -> None:
 
 def main() -> None:
     install_from_environment()
+    charge_journal.install_from_environment()
     from intermission.ops.cli import main as cli
 
     cli()

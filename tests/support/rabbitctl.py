@@ -13,7 +13,8 @@ vhost holds six such queues, so a deletion right after a ``start_app`` crashes e
 declaration of such a queue on the node fails with ``INTERNAL_ERROR`` until the next ``stop_app`` /
 ``start_app``. So nothing here deletes a vhost, or returns from a restart, before every at-least-once queue
 on the node has its worker and every worker has finished starting (``sys:get_state`` answers only after a
-gen_server's ``handle_continue`` returned): an event waited for inside the node, with a deadline.
+gen_server's ``handle_continue`` returned): an event waited for inside the node, with a deadline. In a
+cluster a queue's dead-letter worker runs on its leader's node, so a node waits for the queues it leads.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ SETTLE_SECONDS = 60
 # The Erlang expression behind settle_dead_lettering: "ok", "timeout", or "no_dead_letter_supervisor" when
 # the node is already broken (see the module's docstring).
 SETTLE_EXPRESSION = f"""
+Local = fun(Q) -> case amqqueue:get_pid(Q) of {{_, Leader}} -> Leader =:= node(); _ -> true end end,
 Wanted = fun() -> length([Q || Q <- rabbit_amqqueue:list(),
                               amqqueue:get_type(Q) =:= rabbit_quorum_queue,
                               lists:member({{<<"x-dead-letter-strategy">>, longstr, <<"at-least-once">>}},
-                                           amqqueue:get_arguments(Q))]) end,
+                                           amqqueue:get_arguments(Q)),
+                              Local(Q)]) end,
 Settled = fun Loop(0) -> timeout;
               Loop(N) ->
                   case whereis(rabbit_fifo_dlx_sup) of

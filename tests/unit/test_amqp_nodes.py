@@ -8,7 +8,14 @@ from pydantic import ValidationError
 from yarl import URL
 
 from intermission.fleet.settings import Settings
-from intermission.publishers.amqp import AmqpUrlError, NodeTransportFactory, amqp_nodes, safe_url, with_credentials
+from intermission.publishers.amqp import (
+    AmqpUrlError,
+    NodeTransportFactory,
+    amqp_nodes,
+    safe_url,
+    with_credentials,
+    with_vhost,
+)
 
 
 def test_a_single_url_is_one_node_as_before() -> None:
@@ -78,3 +85,23 @@ def test_credentials_are_replaced_for_every_node_and_nothing_else_changes() -> N
         ("h2", 5673, "demo host", "p@ss/word", "/vh/1"),
     ]
     assert with_credentials("amqp://localhost/", "u", "p") == "amqp://u:p@localhost/"
+
+
+def test_the_vhost_is_replaced_for_every_node_and_nothing_else_changes() -> None:
+    listed = "amqp://guest:secret@h1:5672,h2:5673/old?heartbeat=5"
+    moved = with_vhost(listed, "soak/1")
+    assert moved == "amqp://guest:secret@h1:5672,h2:5673/soak%2F1?heartbeat=5"
+    assert [(n.host, n.port, n.user, n.path, n.query.get("heartbeat")) for n in amqp_nodes(moved)] == [
+        ("h1", 5672, "guest", "/soak/1", "5"),
+        ("h2", 5673, "guest", "/soak/1", "5"),
+    ]
+    assert with_vhost("amqp://localhost", "v") == "amqp://localhost/v"
+
+
+def test_the_first_node_setting_is_an_index_into_the_list() -> None:
+    assert Settings().amqp_first_node is None
+    assert Settings(amqp_first_node=2).amqp_first_node == 2
+    with pytest.raises(ValidationError):
+        Settings(amqp_first_node=-1)
+    nodes = amqp_nodes("amqp://u:p@a:1,b:2,c:3/")
+    assert NodeTransportFactory(nodes, connect_timeout=1, offset=2).order()[0].host == "c"
