@@ -51,7 +51,7 @@ import asyncpg
 from bench.cluster.profile import PROFILES, resolve
 from bench.cluster.scaling import scaling
 from bench.cluster.servers import Servers, cleanup
-from bench.cluster.site import ClusterSite
+from bench.cluster.site import AFTERMATH_SECONDS, ClusterSite
 from bench.soak.harness import Options, soak
 
 
@@ -92,6 +92,12 @@ def cluster_text(figures: dict[str, Any]) -> str:
         f"re-sends); {logs.get('amqp_moved', 0)} connections moved to another RabbitMQ node; "
         f"{logs.get('pg_connected', 0)} pools connected to a PostgreSQL server (at start and after failovers)"
     )
+    lines.append(f"within {AFTERMATH_SECONDS:.0f} s of each fault, by kind (faults may overlap):")
+    for kind, a in figures["aftermath"].items():
+        lines.append(
+            f"  {kind:<24} {a['faults']:>3} faults: {a['runs_reclaimed']} runs reclaimed by another worker, "
+            f"{a['commands_redelivered']} commands delivered again, {a['events_heard_twice']} events heard twice"
+        )
     lines.append("time from a fault to the next completed run, by kind:")
     for kind, r in figures["recovery_by_kind"].items():
         lines.append(f"  {kind:<24} {r['faults']:>3} faults, median {r['median_s']} s, max {r['max_s']} s")

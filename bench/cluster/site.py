@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections import Counter, defaultdict
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +34,19 @@ from bench.soak.site import Endpoints, FaultPlan, SoakRun
 from tests.support import charge_journal
 
 HEARTBEAT_SECONDS = 5
+AFTERMATH_KINDS = (
+    "rabbit_leader_kill",
+    "pg_failover",
+    "worker_partition",
+    "worker_stall",
+    "worker_sigkill",
+    "pg_terminate_backends",
+)
 # What the workers say in their logs that the report counts (fleet and publishers' "action" fields).
-COUNTED_ACTIONS = ("redelivered", "duplicate", "amqp_moved", "pg_connected")
+COUNTED_ACTIONS = ("redelivered", "duplicate", "amqp_moved", "pg_connected", "run_reclaimed", "run_lease_lost")
+# What happened within this long after a fault is put down to it (faults may overlap: an upper bound).
+AFTERMATH_SECONDS = 30.0
+LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
 INVARIANTS = {
     "no_double_charge_across_timelines": "no call charged twice in the journal kept outside the database",
     "faults_real": "every fault did what it says (node led queues, standby was synchronous, ...)",
@@ -139,6 +152,7 @@ class ClusterSite:
                 ],
                 "recovery_by_kind": self._recovery(run),
                 "worker_log_counts": self._log_counts(run.logdir),
+                "aftermath": self._aftermath(run),
                 "journal_entries": len(charge_journal.read(self.journal)),
                 "failovers": self.faults.failovers if self.faults else 0,
                 "queues": queues,
@@ -210,16 +224,61 @@ class ClusterSite:
         }
 
     @staticmethod
-    def _log_counts(logdir: Path) -> dict[str, int]:
-        counts: Counter[str] = Counter()
+    def _worker_lines(logdir: Path) -> list[dict[str, Any]]:
+        """Every line of the workers' JSON logs that names an action the report counts."""
+        lines: list[dict[str, Any]] = []
         for path in logdir.glob("worker-*.log"):
             for line in path.read_text(errors="replace").splitlines():
                 if '"action"' not in line:
                     continue
                 try:
-                    action = json.loads(line).get("action")
+                    record = json.loads(line)
                 except ValueError:
                     continue
-                if action in COUNTED_ACTIONS:
-                    counts[str(action)] += 1
-        return dict(sorted(counts.items()))
+                if isinstance(record, dict) and record.get("action") in COUNTED_ACTIONS:
+                    lines.append(record)
+        return lines
+
+    def _log_counts(self, logdir: Path) -> dict[str, int]:
+        return dict(sorted(Counter(str(r["action"]) for r in self._worker_lines(logdir)).items()))
+
+    def _aftermath(self, run: SoakRun) -> dict[str, dict[str, int]]:
+        """Per kind of server or worker fault: the runs reclaimed by another worker, the commands delivered
+        again and the events heard twice within ``AFTERMATH_SECONDS`` of one (the cost of a fault to the
+        runs in flight and to the subscribers)."""
+        # The logs carry wall-clock times, the ledger and the observer monotonic ones.
+        offset = time.time() - time.monotonic()
+        reclaimed: list[tuple[float, str]] = []
+        redelivered: list[float] = []
+        for record in self._worker_lines(run.logdir):
+            try:
+                at = datetime.strptime(str(record["asctime"]), LOG_TIME).timestamp() - offset
+            except (KeyError, ValueError):
+                continue
+            if record["action"] == "run_reclaimed":
+                reclaimed.append((at, str(record.get("run_id"))))
+            elif record["action"] == "redelivered":
+                redelivered.append(at)
+        seen: set[str] = set()
+        twice: list[float] = []
+        for event in run.observer.events:
+            if event.message_id is None:
+                continue
+            if event.message_id in seen:
+                twice.append(event.arrived)
+            seen.add(event.message_id)
+        kinds = {f.kind for f in run.ledger.faults if f.done and f.kind in AFTERMATH_KINDS}
+        out: dict[str, dict[str, int]] = {}
+        for kind in sorted(kinds):
+            windows = [(f.at, f.at + AFTERMATH_SECONDS) for f in run.ledger.faults if f.done and f.kind == kind]
+
+            def within(t: float, spans: list[tuple[float, float]] = windows) -> bool:
+                return any(lo <= t <= hi for lo, hi in spans)
+
+            out[kind] = {
+                "faults": len(windows),
+                "runs_reclaimed": len({r for t, r in reclaimed if within(t)}),
+                "commands_redelivered": sum(1 for t in redelivered if within(t)),
+                "events_heard_twice": sum(1 for t in twice if within(t)),
+            }
+        return out
