@@ -99,9 +99,16 @@ async def test_the_sweeper_prunes_by_default_and_reports_it(settings: Settings, 
                 values = samples(await asyncio.to_thread(scrape, port))
             except OSError:
                 return False
-            return values.get(("intermission_rows_pruned_total", (("table", "runs"),))) == 50
+            # A prune pass counts its rows first and measures the tables after: wait for both, or a scrape
+            # between the two finds the counters without the gauges.
+            return (
+                values.get(("intermission_rows_pruned_total", (("table", "runs"),))) == 50
+                and ("intermission_table_bytes", (("table", "runs"),)) in values
+                # Set last of the figures the test reads (it starts at 0).
+                and values.get(("intermission_oldest_ended_run_seconds", ()), 0.0) > 0
+            )
 
-        await eventually(reported, within=WAIT, what="the sweeper's prune in its metrics")
+        await eventually(reported, within=WAIT, what="the sweeper's prune and table measurements in its metrics")
         values = samples(await asyncio.to_thread(scrape, port))
         assert values[("intermission_rows_pruned_total", (("table", "run_events"),))] == 100
         assert values[("intermission_idempotency_window_seconds", ())] == settings.inbox_retention_seconds
