@@ -54,6 +54,13 @@ class CommandConsumers:
         return on_message
 
     @property
+    def consuming(self) -> bool:
+        """Whether every queue has its consumer (from ``start`` until ``stop``). The robust channel restores
+        them after a reconnect under the same tags, so this stays true across one; the connection's own
+        state says whether deliveries can arrive meanwhile."""
+        return bool(self.queues) and self._tags.keys() == self.queues.keys()
+
+    @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 

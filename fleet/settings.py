@@ -111,6 +111,9 @@ class Settings(BaseSettings):
     # 0.0.0.0 with the port published on the host's loopback), since it tells anyone who reads it about
     # every tenant's traffic.
     metrics_host: str = "127.0.0.1"
+    # How often the readiness checks behind /readyz (on the metrics port) are refreshed, and the most one
+    # database probe may take: /readyz follows an outage within about this long.
+    health_probe_seconds: float = Field(default=2.0, gt=0, le=60)
     # "module:attribute" of the executor factory; the default is the agent loop with the scripted model.
     executor: str = "intermission.agent.loop:default_executor"
     log_level: str = "INFO"

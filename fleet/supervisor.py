@@ -55,6 +55,10 @@ class Supervisor:
         self.on_restart = on_restart
         self.restarts: dict[str, int] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Loops waiting out their backoff after a failure, and the one the supervisor gave up on: what the
+        # readiness endpoint reports as not running (``states``).
+        self._restarting: set[str] = set()
+        self._given_up: str | None = None
         self._gave_up = asyncio.Event()
         self._failure: SupervisedTaskFailed | None = None
 
@@ -68,6 +72,21 @@ class Supervisor:
     def running(self, name: str) -> bool:
         task = self._tasks.get(name)
         return task is not None and not task.done()
+
+    def states(self) -> dict[str, str]:
+        """Each supervised loop's state: ``running``, ``restarting`` (failed, waiting out its backoff),
+        ``failed`` (given up on) or ``stopped`` (returned, or cancelled)."""
+        states: dict[str, str] = {}
+        for name, task in self._tasks.items():
+            if name == self._given_up:
+                states[name] = "failed"
+            elif name in self._restarting:
+                states[name] = "restarting"
+            elif task.done():
+                states[name] = "stopped"
+            else:
+                states[name] = "running"
+        return states
 
     @property
     def failure(self) -> SupervisedTaskFailed | None:
@@ -100,6 +119,7 @@ class Supervisor:
                         f"{name} failed {len(failures)} times within {self.window_seconds:g} s; "
                         f"last: {type(exc).__name__}: {exc}"
                     )
+                    self._given_up = name
                     self._gave_up.set()
                     return
                 # Full jitter over a doubling ceiling: several workers that failed together do not restart
@@ -118,7 +138,11 @@ class Supervisor:
                 )
                 self.restarts[name] += 1
                 self.on_restart(name)
-                await asyncio.sleep(backoff)
+                self._restarting.add(name)
+                try:
+                    await asyncio.sleep(backoff)
+                finally:
+                    self._restarting.discard(name)
 
     async def cancel(self, name: str) -> None:
         """Stop supervising ``name`` and cancel it now."""

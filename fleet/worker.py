@@ -28,10 +28,11 @@ from intermission.consumers.service import CommandConsumers
 from intermission.fleet import points
 from intermission.fleet.identity import incarnation, session_name
 from intermission.fleet.pruning import PRUNER_TASK, PruneLoop
-from intermission.fleet.runtime import Fleet
+from intermission.fleet.runtime import RECLAIM_TASK, Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.signals import stop_on_signals
 from intermission.fleet.supervisor import SupervisedTaskFailed, Supervisor
+from intermission.ops import health
 from intermission.ops.metrics import SweeperMetrics, WorkerMetrics
 from intermission.publishers.amqp import connect
 from intermission.publishers.relay import OutboxRelay
@@ -44,6 +45,15 @@ log = logging.getLogger("intermission.worker")
 
 RELAY_TASK = "outbox-relay"
 SWEEPER_TASK = "expiry-sweeper"
+# The supervised loops a process is not ready without (the lease keeper runs only while runs are held).
+WORKER_TASKS = (RELAY_TASK, RECLAIM_TASK)
+SWEEPER_TASKS = (SWEEPER_TASK, PRUNER_TASK)
+
+
+def broker_connected(connection: AbstractRobustConnection) -> bool:
+    """Whether the robust connection is up now: ``is_closed`` turns true only once it is closed for good,
+    while ``connected`` is cleared the moment a link is lost and set again when a reconnect succeeds."""
+    return connection.connected.is_set() and not connection.is_closed
 
 
 @dataclass
@@ -102,6 +112,8 @@ async def running_worker(
         offset=settings.amqp_first_node,
         connect_timeout=settings.amqp_connect_timeout_seconds,
     )
+    # Closed however the start-up or the work ends, so that the port is released with the worker.
+    server: health.HealthServer | None = None
     try:
         channel = await connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=settings.prefetch)
@@ -147,16 +159,40 @@ async def running_worker(
         )
         consumers = CommandConsumers(policy, topology.queues, in_flight_limit=settings.commands_in_flight)
         relay_stop = asyncio.Event()
-        metrics.serve(settings.metrics_port, settings.metrics_host)
+        readiness = health.Readiness(
+            [health.DATABASE, health.RABBITMQ, health.CONSUMERS, *(health.TASK_PREFIX + t for t in WORKER_TASKS)],
+            stale_after=3 * settings.health_probe_seconds,
+        )
+        server = health.serve(settings.metrics_port, settings.metrics_host, metrics.registry, readiness)
         await fleet.start()
         supervisor.start(RELAY_TASK, lambda: relay.serve(relay_stop))
         await consumers.start()
         worker = Worker(settings, stores, connection, topology, fleet, consumers, relay, supervisor)
+
+        def worker_checks() -> dict[str, bool]:
+            return {
+                health.RABBITMQ: broker_connected(connection),
+                health.CONSUMERS: consumers.consuming,
+                **health.task_checks(supervisor.states(), WORKER_TASKS),
+            }
+
+        probe = health.HealthProbe(
+            readiness,
+            stores.db,
+            worker_checks,
+            interval=settings.health_probe_seconds,
+            application_name=session_name("worker-health", owner),
+            # Commands waiting on a probe of their own (consumers/policy.py) say the database is away too.
+            database_ok=lambda: policy.availability.is_clear,
+        )
+        if server is not None:
+            probe.start()
         log.info("worker started", extra={"action": "worker_started", "owner": fleet.owner})
         try:
             yield worker
         finally:
             log.info("worker stopping", extra={"action": "worker_stopping", "running": fleet.running})
+            await probe.close()
             await consumers.stop(settings.shutdown_grace_seconds)
             await fleet.stop()
             relay_stop.set()
@@ -166,6 +202,8 @@ async def running_worker(
             with contextlib.suppress(Exception):
                 await channel.close()
     finally:
+        if server is not None:
+            await asyncio.to_thread(server.close)
         with contextlib.suppress(Exception):
             await connection.close()
         if own_stores:
@@ -220,11 +258,12 @@ async def sweep(settings: Settings, stop: asyncio.Event | None = None) -> None:
     """Run the expiry sweeper and the retention pruner until SIGTERM/SIGINT: any number of sweepers may run
     at once."""
     stop = stop or asyncio.Event()
+    owner = incarnation("sweeper")
     stores = await Stores.connect(
         settings.database_url,
         max_size=2,
         connect_timeout=settings.database_connect_timeout_seconds,
-        application_name=session_name("sweeper", incarnation("sweeper")),
+        application_name=session_name("sweeper", owner),
     )
     connection = await connect(
         settings.amqp_url,
@@ -245,17 +284,43 @@ async def sweep(settings: Settings, stop: asyncio.Event | None = None) -> None:
             max_rate=settings.sweep_max_rate,
         )
         metrics = SweeperMetrics()
-        metrics.serve(settings.metrics_port, settings.metrics_host)
+        readiness = health.Readiness(
+            [health.DATABASE, health.RABBITMQ, *(health.TASK_PREFIX + t for t in SWEEPER_TASKS)],
+            stale_after=3 * settings.health_probe_seconds,
+        )
         pruning = PruneLoop(stores.db, connection, settings, metrics)
         supervisor = Supervisor(on_restart=lambda task: metrics.task_restarts.labels(task).inc())
-        with stop_on_signals(stop):
-            log.info("sweeper started", extra={"action": "sweeper_started"})
-            supervisor.start(SWEEPER_TASK, lambda: sweeper.serve(stop))
-            supervisor.start(PRUNER_TASK, lambda: pruning.serve(stop))
-            failure = await until_stopped(stop, supervisor)
-            stop.set()
-            await supervisor.stop(settings.shutdown_grace_seconds)
-        await sweeper.close()
+
+        def sweeper_checks() -> dict[str, bool]:
+            return {
+                health.RABBITMQ: broker_connected(connection),
+                **health.task_checks(supervisor.states(), SWEEPER_TASKS),
+            }
+
+        probe = health.HealthProbe(
+            readiness,
+            stores.db,
+            sweeper_checks,
+            interval=settings.health_probe_seconds,
+            application_name=session_name("sweeper-health", owner),
+        )
+        server = health.serve(settings.metrics_port, settings.metrics_host, metrics.registry, readiness)
+        try:
+            with stop_on_signals(stop):
+                log.info("sweeper started", extra={"action": "sweeper_started"})
+                supervisor.start(SWEEPER_TASK, lambda: sweeper.serve(stop))
+                supervisor.start(PRUNER_TASK, lambda: pruning.serve(stop))
+                if server is not None:
+                    probe.start()
+                failure = await until_stopped(stop, supervisor)
+                await probe.close()
+                stop.set()
+                await supervisor.stop(settings.shutdown_grace_seconds)
+            await sweeper.close()
+        finally:
+            await probe.close()
+            if server is not None:
+                await asyncio.to_thread(server.close)
         if failure is not None:
             raise failure
     finally:

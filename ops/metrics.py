@@ -1,4 +1,5 @@
-"""Prometheus metrics of a worker (served on ``INTERMISSION_METRICS_PORT`` when it is not 0).
+"""Prometheus metrics of a worker and of a sweeper (served with the health endpoints by ``ops/health.py`` on
+``INTERMISSION_METRICS_PORT`` when it is not 0).
 
 Counters only where a rate is what an operator watches (commands by outcome, runs by how they left the
 worker, takeovers, outbox refusals and quarantines), gauges for what is in flight or waiting. Labels are
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from intermission.wire import Command
@@ -88,10 +89,6 @@ class WorkerMetrics:
     def command(self, command: Command, outcome: str, code: str) -> None:
         self.commands.labels(command.value, outcome, code).inc()
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        if port:
-            start_http_server(port, addr=host, registry=self.registry)
-
 
 class SweeperMetrics:
     """What a sweeper process reports: its pruning, the storage it keeps bounded, and the dead letters."""
@@ -149,7 +146,3 @@ class SweeperMetrics:
             ["task"],
             registry=self.registry,
         )
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        if port:
-            start_http_server(port, addr=host, registry=self.registry)

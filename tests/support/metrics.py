@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import urllib.error
 import urllib.request
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,6 +31,25 @@ def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         body: bytes = response.read()
         return body.decode()
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    """The status and body of ``GET path`` on the metrics port, a 503 included (urllib raises it)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return int(response.status), bytes(response.read()).decode()
+    except urllib.error.HTTPError as error:
+        return error.code, bytes(error.read()).decode()
+
+
+def readiness(port: int) -> tuple[int, dict[str, Any]]:
+    """``/readyz``: its status and its JSON; (0, {}) while nothing listens yet."""
+    try:
+        status, body = get(port, "/readyz")
+    except OSError:
+        return 0, {}
+    found: dict[str, Any] = json.loads(body)
+    return status, found
 
 
 def listening_addresses(port: int) -> set[str]:
