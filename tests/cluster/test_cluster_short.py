@@ -138,6 +138,7 @@ def test_cleanup_removes_the_servers_of_a_harness_that_was_killed() -> None:
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+        proc.stdout.close()
     # Killed: the servers it started are still there, and the marker names them.
     assert MARKER.exists()
     assert listening(5701)
