@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bench.soak.profile import Profile
+from bench.soak.profile import Profile, scaled
 
 
 @dataclass(frozen=True)
@@ -67,10 +67,4 @@ PROFILES: dict[str, ClusterProfile] = {
 
 def resolve(name: str, *, minutes: float | None = None, runs: int | None = None) -> ClusterProfile:
     profile = PROFILES[name]
-    soak = profile.soak
-    if minutes is not None:
-        rate = soak.runs / soak.load_seconds
-        soak = replace(soak, load_seconds=minutes * 60.0, runs=max(1, round(rate * minutes * 60.0)))
-    if runs is not None:
-        soak = replace(soak, runs=runs)
-    return replace(profile, soak=soak)
+    return replace(profile, soak=scaled(profile.soak, minutes=minutes, runs=runs))

@@ -67,7 +67,12 @@ PROFILES: dict[str, Profile] = {
 def resolve(name: str, *, minutes: float | None = None, runs: int | None = None) -> Profile:
     """The named profile, with the load phase set to ``minutes`` (runs scaled to keep the same rate) and
     the total of runs set to ``runs`` when given."""
-    profile = PROFILES[name]
+    return scaled(PROFILES[name], minutes=minutes, runs=runs)
+
+
+def scaled(profile: Profile, *, minutes: float | None = None, runs: int | None = None) -> Profile:
+    """``profile`` with its load phase set to ``minutes`` (runs scaled to keep the same rate) and its total
+    of runs set to ``runs`` when given."""
     if minutes is not None:
         rate = profile.runs / profile.load_seconds
         profile = replace(profile, load_seconds=minutes * 60.0, runs=max(1, round(rate * minutes * 60.0)))
