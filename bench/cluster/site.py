@@ -30,7 +30,8 @@ from bench.cluster.faults import ClusterFaults
 from bench.cluster.partition import available as netns_available
 from bench.cluster.servers import RABBIT_BIN, Servers
 from bench.soak.checker import CheckResult
-from bench.soak.site import Endpoints, FaultPlan, SoakRun
+from bench.soak.servers import ServerFaults
+from bench.soak.site import Endpoints, FaultAction, FaultPlan, SoakRun
 from tests.support import charge_journal
 
 HEARTBEAT_SECONDS = 5
@@ -124,18 +125,12 @@ class ClusterSite:
             heavy_per_deck=self.heavy_per_deck,
         )
 
-    def _terminate(self, run: SoakRun) -> Any:
+    def _terminate(self, run: SoakRun) -> FaultAction:
+        # The soak's own backend termination, through the URL list: it reaches whichever server is primary.
+        servers = ServerFaults(self._endpoints.ctl, self.servers.database_url, run.env.database, None)
+
         async def terminate() -> str:
-            con = await asyncpg.connect(self.servers.database_url, timeout=10)
-            try:
-                killed = await con.fetchval(
-                    "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity"
-                    " WHERE datname = $1 AND pid <> pg_backend_pid()",
-                    run.env.database,
-                )
-            finally:
-                await con.close()
-            return f"{int(killed or 0)} backends terminated"
+            return f"{await servers.pg_terminate()} backends terminated"
 
         return terminate
 
