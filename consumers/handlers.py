@@ -27,7 +27,7 @@ from intermission.schemas.commands import (
 from intermission.schemas.errors import Forbidden, NotSuspended, RunConflict
 from intermission.schemas.run import Lease
 from intermission.store import Stores
-from intermission.store.commands import Claimed, RunDefaults
+from intermission.store.commands import AnswerRequest, Claimed, RunDefaults
 from intermission.store.inbox import Receipt
 from intermission.wire import Command
 
@@ -74,6 +74,11 @@ class Route(Generic[C]):
         return await self.handle(handlers, body, applying)
 
 
+# The commands that answer a pause through one read and one claim (``CommandStore.answer``): those that
+# arrive together go through one read and one claim for all (``answer_batch``; group commit).
+BATCHED: frozenset[Command] = frozenset({Command.RESUME, Command.DECIDE, Command.EXPIRE})
+
+
 class CommandHandlers:
     def __init__(self, stores: Stores, hooks: WorkerHooks) -> None:
         self.stores = stores
@@ -82,6 +87,32 @@ class CommandHandlers:
     async def apply(self, command: Command, delivery: Delivery, message_id: str) -> Claimed | None:
         route: Route[Any] = ROUTES[command]
         return await route.apply(self, command, delivery, message_id)
+
+    def prepare(self, command: Command, delivery: Delivery, message_id: str) -> AnswerRequest:
+        """A BATCHED command, parsed and checked as ``apply`` would, as the request for ``answer_batch``."""
+        route: Route[Any] = ROUTES[command]
+        body = parse_body(route.model, delivery.body)
+        check_key_scope(command, delivery.routing_key, body.scope)
+        a = Applying(delivery, message_id, Receipt.of(message_id, command.value, body), self.hooks.lease())
+        commands = self.stores.commands
+        if command is Command.RESUME:
+            return commands.resume_request(body, a.lease, receipt=a.receipt, correlation_id=message_id)
+        if command is Command.DECIDE:
+            return commands.decide_request(
+                body, a.lease, principal=delivery.user_id, receipt=a.receipt, correlation_id=message_id
+            )
+        if command is Command.EXPIRE:
+            return commands.expire_request(body, a.lease, receipt=a.receipt, correlation_id=message_id)
+        raise ValueError(f"{command.value} is not applied in batches")
+
+    async def answer_batch(self, batch: list[tuple[Command, AnswerRequest]]) -> list[Claimed | Exception]:
+        """Apply prepared commands together (``CommandStore.answer_all``); each outcome is the command's own,
+        as ``apply`` would have returned or raised it."""
+        outcomes = await self.stores.commands.answer_all([request for _, request in batch])
+        return [
+            _stale(outcome) if command is Command.EXPIRE else outcome
+            for (command, _), outcome in zip(batch, outcomes, strict=True)
+        ]
 
     # Events carry the causing command's id as their correlation id.
 
@@ -105,8 +136,6 @@ class CommandHandlers:
         try:
             return await self.stores.commands.expire(cmd, a.lease, receipt=a.receipt, correlation_id=a.message_id)
         except (NotSuspended, RunConflict) as exc:
-            # The pause was answered, cancelled or expired already: the sweeper lost a race it is
-            # expected to lose sometimes. Not a refusal of anybody's request.
             raise StaleExpiry(exc.detail) from exc
 
     async def reply(self, cmd: ReplyCommand, a: Applying) -> Claimed | None:
@@ -115,6 +144,16 @@ class CommandHandlers:
         if not a.delivery.user_id or a.delivery.user_id != self.hooks.bus_user:
             raise Forbidden("only the messaging bus may answer an agent_reply pause (user_id is not the bus user)")
         return await self.stores.commands.reply(cmd, a.lease, receipt=a.receipt, correlation_id=a.delivery.message_id)
+
+
+def _stale(outcome: Claimed | Exception) -> Claimed | Exception:
+    """An expiry refused because the pause was answered, cancelled or expired already: the sweeper lost a
+    race it is expected to lose sometimes. Not a refusal of anybody's request."""
+    if isinstance(outcome, NotSuspended | RunConflict):
+        stale = StaleExpiry(outcome.detail)
+        stale.__cause__ = outcome
+        return stale
+    return outcome
 
 
 ROUTES: dict[Command, Route[Any]] = {

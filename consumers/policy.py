@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -47,13 +47,14 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
+from intermission.consumers.batching import Acknowledgements
 from intermission.consumers.handlers import CommandHandlers, StaleExpiry
 from intermission.consumers.parsing import MAX_REPLY_BODY_BYTES, Delivery, check_body_limits, check_envelope
 from intermission.consumers.rejection import Rejecter
 from intermission.fleet import points
 from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, backoff
 from intermission.schemas.errors import PermanentError, StoreContention, TransientError
-from intermission.store.commands import Claimed
+from intermission.store.commands import AnswerRequest, Claimed
 from intermission.store.inbox import AlreadyApplied
 from intermission.wire import Command
 
@@ -149,6 +150,7 @@ class AckPolicy:
         limits: CommandLimits | None = None,
         after_commit: Callable[[], None] = lambda: None,
         observe: Callable[[Command, str, str], None] = lambda command, outcome, code: None,
+        acks: Acknowledgements | None = None,
     ) -> None:
         self.handlers = handlers
         self.rejecter = rejecter
@@ -161,6 +163,8 @@ class AckPolicy:
         self.after_commit = after_commit
         # (command, outcome, error code) of every delivery handled: the worker counts them for metrics.
         self.observe = observe
+        # Which deliveries are unsettled, so that a batch's acknowledgements go as one where they can.
+        self.acks = acks or Acknowledgements()
 
     async def _apply(self, command: Command, delivery: Delivery, message_id: str) -> Claimed | None:
         """The command's transaction, retried with backoff on transient errors until ``retry_seconds`` have
@@ -249,67 +253,162 @@ class AckPolicy:
 
     async def _settle(self, message: AbstractIncomingMessage, command: Command) -> None:
         delivery = delivery_of(message, command)
-        extra = {"message_id": delivery.message_id, "routing_key": delivery.routing_key}
-        if message.redelivered:
-            # Delivered before and never acknowledged: its consumer died, its channel or node was lost, or
-            # it was requeued. Rare when all is well, so worth a line: after a node loss, these say how many
-            # commands it cost (the inbox makes each one harmless).
-            log.info(
-                "command delivered again",
-                extra={"action": "redelivered", "delivery_count": message.headers.get("x-delivery-count"), **extra},
-            )
+        _note_redelivery(message, delivery)
         try:
             message_id = check_envelope(delivery)
             check_body_limits(delivery.body, self.limits.body_bytes(command))
             claimed = await self._apply(command, delivery, message_id)
-        except AlreadyApplied:
-            log.info("duplicate command; its effect committed before", extra={"action": "duplicate", **extra})
-            await message.ack()
-            self.observe(command, "duplicate", "")
-            return
-        except StaleExpiry as stale:
-            log.info("stale expiry", extra={"action": "stale_expiry", "detail": str(stale), **extra})
-            await message.ack()
-            self.observe(command, "stale", "")
-            return
-        except PermanentError as exc:
-            log.info(
-                "command rejected",
-                extra={"action": "command_rejected", "code": exc.code, "detail": exc.detail, **extra},
-            )
-            points.reach(points.REFUSING)
-            try:
-                await self._refuse(message, delivery, exc)
-            except TRANSIENT_AMQP_ERRORS as away:
-                # The broker would not take the refusal for the whole window: return the command to its
-                # queue to be refused later (if its channel is gone, the broker has already).
-                log.warning(
-                    "could not publish a refusal; requeued",
-                    extra={"action": "refusal_requeued", "error": type(away).__name__, **extra},
-                )
-                await message.nack(requeue=True)
-                self.observe(command, "requeued", "refusal_unpublished")
-                return
-            await message.ack()
-            self.observe(command, "rejected", exc.code)
-            return
-        except TransientError as exc:
-            log.warning(
-                "command failed transiently for the whole retry window; requeued",
-                extra={"action": "requeue", "error": exc.code, **extra},
-            )
-            await message.nack(requeue=True)
-            self.observe(command, "requeued", exc.code)
-            return
-        except Exception:
-            log.exception("command handler crashed; requeued", extra={"action": "handler_error", **extra})
-            await message.nack(requeue=True)
-            self.observe(command, "requeued", "handler_error")
+        except Exception as failed:
+            await self._settle_failed(message, command, delivery, failed)
             return
         self.after_commit()
         # The effect is committed. If the acknowledgement is lost, the redelivery is a duplicate.
         with contextlib.suppress(Exception):
             await message.ack()
+        self._applied(command, claimed)
+
+    def _applied(self, command: Command, claimed: Claimed | None) -> None:
         self.observe(command, "applied", "")
         if claimed is not None:
             self.on_claimed(claimed)
+
+    async def _settle_failed(
+        self, message: AbstractIncomingMessage, command: Command, delivery: Delivery, failed: Exception
+    ) -> None:
+        """Settle a command whose transition did not commit, by why (see the module docstring)."""
+        extra = {"message_id": delivery.message_id, "routing_key": delivery.routing_key}
+        if isinstance(failed, AlreadyApplied):
+            log.info("duplicate command; its effect committed before", extra={"action": "duplicate", **extra})
+            await message.ack()
+            self.observe(command, "duplicate", "")
+        elif isinstance(failed, StaleExpiry):
+            log.info("stale expiry", extra={"action": "stale_expiry", "detail": str(failed), **extra})
+            await message.ack()
+            self.observe(command, "stale", "")
+        elif isinstance(failed, PermanentError):
+            await self._settle_refused(message, command, delivery, failed, extra)
+        elif isinstance(failed, TransientError):
+            log.warning(
+                "command failed transiently for the whole retry window; requeued",
+                extra={"action": "requeue", "error": failed.code, **extra},
+            )
+            await message.nack(requeue=True)
+            self.observe(command, "requeued", failed.code)
+        else:
+            log.error("command handler crashed; requeued", exc_info=failed, extra={"action": "handler_error", **extra})
+            await message.nack(requeue=True)
+            self.observe(command, "requeued", "handler_error")
+
+    async def _settle_refused(
+        self,
+        message: AbstractIncomingMessage,
+        command: Command,
+        delivery: Delivery,
+        error: PermanentError,
+        extra: dict[str, str | None],
+    ) -> None:
+        log.info(
+            "command rejected",
+            extra={"action": "command_rejected", "code": error.code, "detail": error.detail, **extra},
+        )
+        points.reach(points.REFUSING)
+        try:
+            await self._refuse(message, delivery, error)
+        except TRANSIENT_AMQP_ERRORS as away:
+            # The broker would not take the refusal for the whole window: return the command to its queue
+            # to be refused later (if its channel is gone, the broker has already).
+            log.warning(
+                "could not publish a refusal; requeued",
+                extra={"action": "refusal_requeued", "error": type(away).__name__, **extra},
+            )
+            await message.nack(requeue=True)
+            self.observe(command, "requeued", "refusal_unpublished")
+            return
+        await message.ack()
+        self.observe(command, "rejected", error.code)
+
+    async def process_batch(self, batch: Sequence[tuple[AbstractIncomingMessage, Command]]) -> None:
+        """Settle several deliveries of BATCHED commands together (group commit): their transitions run as
+        one read and one claim statement (``CommandHandlers.answer_batch``), the applied ones are
+        acknowledged together after that one commit, and each other outcome is settled as ``process``
+        settles it. A batch that fails as a whole (the database away, a statement error) is nobody's
+        refusal: each of its commands then goes through ``process`` alone, with the retry window, the
+        hold and the refusal that a single command gets there. Every delivery is settled."""
+        if len(batch) == 1 or not self.availability.is_clear:
+            await asyncio.gather(*(self.process(message, command) for message, command in batch))
+            return
+        try:
+            await self._settle_batch(batch)
+        except Exception:
+            log.exception("could not settle a batch of commands", extra={"action": "batch_failed"})
+            for message, command in batch:
+                if not self.acks.is_acked(message):
+                    with contextlib.suppress(Exception):
+                        await message.reject(requeue=False)
+                    self.observe(command, "dead_lettered", "unsettled")
+
+    async def _settle_batch(self, batch: Sequence[tuple[AbstractIncomingMessage, Command]]) -> None:
+        prepared: list[tuple[AbstractIncomingMessage, Command, Delivery, AnswerRequest]] = []
+        alone: list[tuple[AbstractIncomingMessage, Command, Delivery, Exception]] = []
+        for message, command in batch:
+            delivery = delivery_of(message, command)
+            _note_redelivery(message, delivery)
+            try:
+                message_id = check_envelope(delivery)
+                check_body_limits(delivery.body, self.limits.body_bytes(command))
+                prepared.append((message, command, delivery, self.handlers.prepare(command, delivery, message_id)))
+            except Exception as refused:
+                alone.append((message, command, delivery, refused))
+        outcomes: list[Claimed | Exception] = []
+        if prepared:
+            try:
+                outcomes = await self.handlers.answer_batch([(command, request) for _, command, _, request in prepared])
+            except Exception:
+                # Nothing of the batch committed; each command goes on alone, with the retry window.
+                await asyncio.gather(
+                    *(self.process(message, command) for message, command, _, _ in prepared),
+                    *(
+                        self._settle_failed(message, command, delivery, failed)
+                        for message, command, delivery, failed in alone
+                    ),
+                )
+                return
+            points.reach(points.AFTER_BATCH_COMMIT)
+            self.after_commit()
+        applied = [
+            (message, command, outcome)
+            for (message, command, _, _), outcome in zip(prepared, outcomes, strict=True)
+            if not isinstance(outcome, Exception)
+        ]
+        # The effects are committed. If the acknowledgement is lost, each redelivery is a duplicate.
+        with contextlib.suppress(Exception):
+            await self.acks.ack_all([message for message, _, _ in applied])
+        for _, command, claimed in applied:
+            self._applied(command, claimed)
+        failed = [
+            (message, command, delivery, outcome)
+            for (message, command, delivery, _), outcome in zip(prepared, outcomes, strict=True)
+            if isinstance(outcome, Exception)
+        ]
+        await asyncio.gather(
+            *(
+                self._settle_failed(message, command, delivery, error)
+                for message, command, delivery, error in [*alone, *failed]
+            )
+        )
+
+
+def _note_redelivery(message: AbstractIncomingMessage, delivery: Delivery) -> None:
+    if message.redelivered:
+        # Delivered before and never acknowledged: its consumer died, its channel or node was lost, or it
+        # was requeued. Rare when all is well, so worth a line: after a node loss, these say how many
+        # commands it cost (the inbox makes each one harmless).
+        log.info(
+            "command delivered again",
+            extra={
+                "action": "redelivered",
+                "delivery_count": (message.headers or {}).get("x-delivery-count"),
+                "message_id": delivery.message_id,
+                "routing_key": delivery.routing_key,
+            },
+        )

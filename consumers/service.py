@@ -6,6 +6,10 @@ the consumers after a reconnect. Prefetch is per consumer (RabbitMQ's quorum que
 channel-wide prefetch), so six consumers could otherwise run six times the prefetch at once against a pool
 of a few connections. ``in_flight_limit`` bounds the commands whose transactions run at once across all
 six; deliveries beyond it wait in this process, unacknowledged, without holding a database connection.
+
+The commands that answer a pause (resume, decide, expire) go through ``CommandBatches`` instead: those that
+arrive together are applied in one transaction (group commit, ``consumers/batching.py``), each batch
+holding one of the same slots.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
+from intermission.consumers.batching import CommandBatches
+from intermission.consumers.handlers import BATCHED
 from intermission.consumers.policy import AckPolicy
 from intermission.wire import Command
 
@@ -23,10 +29,24 @@ log = logging.getLogger("intermission.consumers")
 
 
 class CommandConsumers:
-    def __init__(self, policy: AckPolicy, queues: Mapping[Command, AbstractQueue], *, in_flight_limit: int = 8) -> None:
+    def __init__(
+        self,
+        policy: AckPolicy,
+        queues: Mapping[Command, AbstractQueue],
+        *,
+        in_flight_limit: int = 8,
+        batch_size: int = 32,
+        batches_in_flight: int = 2,
+    ) -> None:
         self.policy = policy
         self.queues = dict(queues)
         self._slots = asyncio.Semaphore(in_flight_limit)
+        # batch_size 1: every command alone, as before group commit.
+        self.batches = (
+            CommandBatches(policy.process_batch, max_size=batch_size, max_batches=batches_in_flight, slots=self._slots)
+            if batch_size > 1
+            else None
+        )
         self._tags: dict[Command, str] = {}
         self._in_flight: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
@@ -44,9 +64,13 @@ class CommandConsumers:
             self._in_flight.add(task)
             self._idle.clear()
             try:
-                async with self._slots:
-                    await self.policy.process(message, command)
+                if self.batches is not None and command in BATCHED:
+                    await self.batches.submit(message, command)
+                else:
+                    async with self._slots:
+                        await self.policy.process(message, command)
             finally:
+                self.policy.acks.settled(message)
                 self._in_flight.discard(task)
                 if not self._in_flight:
                     self._idle.set()
@@ -75,5 +99,7 @@ class CommandConsumers:
         try:
             await asyncio.wait_for(self._idle.wait(), grace)
         except TimeoutError:
+            if self.batches is not None:
+                self.batches.cancel()
             for task in list(self._in_flight):
                 task.cancel()

@@ -15,11 +15,15 @@ from typing import Final
 
 AFTER_CLAIM: Final = "after_claim"  # a claim committed; the run was not handed to the executor yet
 AFTER_COMMIT: Final = "after_commit"  # a command's transaction committed; its message is not acknowledged
+# A batch of commands committed together (group commit); none of their messages is acknowledged yet.
+AFTER_BATCH_COMMIT: Final = "after_batch_commit"
 AFTER_STARTED: Final = "after_started"  # a non-retry-safe call ran; its result is not saved yet
 BETWEEN_STEPS: Final = "between_steps"  # a step boundary was saved; the next step has not begun
 AFTER_PAUSE: Final = "after_pause"  # a pause committed
 REFUSING: Final = "refusing"  # a command is refused; its refusal is not built or published yet
-POINTS: Final = frozenset({AFTER_CLAIM, AFTER_COMMIT, AFTER_STARTED, BETWEEN_STEPS, AFTER_PAUSE, REFUSING})
+POINTS: Final = frozenset(
+    {AFTER_CLAIM, AFTER_COMMIT, AFTER_BATCH_COMMIT, AFTER_STARTED, BETWEEN_STEPS, AFTER_PAUSE, REFUSING}
+)
 
 Observer = Callable[[str], None]
 

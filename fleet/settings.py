@@ -48,6 +48,11 @@ class Settings(BaseSettings):
     # Commands whose transactions run at once in this worker, across all six queues: fewer than the pool's
     # connections, so the relay, the reclaim sweep and the runs themselves always find one.
     commands_in_flight: int = Field(default=6, ge=1, le=1000)
+    # Group commit (consumers/batching.py): how many resume, decide and expire commands that arrive together
+    # go through one transaction at most (1: each alone), and how many such batches run at once (each holds
+    # one of the commands_in_flight slots). Nothing waits for a batch to fill.
+    command_batch_size: int = Field(default=32, ge=1, le=1000)
+    command_batches_in_flight: int = Field(default=2, ge=1, le=1000)
     # How long a command is held and retried while the database is unavailable before it is requeued:
     # longer than a managed database's failover (typically 30-120 s).
     command_retry_seconds: float = Field(default=180.0, ge=0)

@@ -157,7 +157,13 @@ async def running_worker(
             after_commit=lambda: points.reach(points.AFTER_COMMIT),
             observe=metrics.command,
         )
-        consumers = CommandConsumers(policy, topology.queues, in_flight_limit=settings.commands_in_flight)
+        consumers = CommandConsumers(
+            policy,
+            topology.queues,
+            in_flight_limit=settings.commands_in_flight,
+            batch_size=settings.command_batch_size,
+            batches_in_flight=settings.command_batches_in_flight,
+        )
         relay_stop = asyncio.Event()
         readiness = health.Readiness(
             [health.DATABASE, health.RABBITMQ, health.CONSUMERS, *(health.TASK_PREFIX + t for t in WORKER_TASKS)],

@@ -16,9 +16,10 @@ step writes nothing, not even the inbox record.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from intermission.schemas.answers import (
     Source,
@@ -55,6 +56,7 @@ from intermission.schemas.suspension import ClaimVersion, Continuation, Ending, 
 from intermission.store import outbox, rows
 from intermission.store.db import Conn, Database
 from intermission.store.inbox import AlreadyApplied, Receipt, inbox_arguments
+from intermission.store.queries import QUERIES
 from intermission.store.resume import ResumeStore
 from intermission.store.runs import check_lease, start_in
 from intermission.store.suspensions import Decided, claim_arguments, refusal
@@ -143,6 +145,34 @@ class Answer:
     announce: bool = True
 
 
+@dataclass(frozen=True)
+class AnswerRequest:
+    """A command that answers a pause, ready for its transition: where it acts, under which lease, with
+    which inbox receipt, and the check that turns what its read found into the claim to make."""
+
+    scope: Scope
+    run_id: str
+    lease: Lease
+    receipt: Receipt | None
+    correlation_id: str | None
+    check: Callable[[Scope, Stored], Answer]
+    # The checkpoint a decision names, read with the run.
+    checkpoint_id: int | None = None
+
+
+@dataclass(frozen=True)
+class _Claiming:
+    """One claim of a batch: the request, what its read found, and the checked answer."""
+
+    request: AnswerRequest
+    stored: Stored
+    answer: Answer
+
+
+# The batch statements take claim_pause's arguments as arrays, in claim_pause's order.
+_CLAIM_ARGUMENTS: tuple[str, ...] = QUERIES["claim_pause"].arguments or ()
+
+
 class CommandStore:
     """Command effects over one pool. ``receipt`` records the delivering message in the inbox, in the
     same transition; it raises ``AlreadyApplied`` for a message whose effect committed before."""
@@ -183,13 +213,17 @@ class CommandStore:
         self, cmd: ResumeCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
     ) -> Claimed:
         """A host's results for an ``external_tool`` pause."""
+        return await self.answer(self.resume_request(cmd, lease, receipt=receipt, correlation_id=correlation_id))
 
+    def resume_request(
+        self, cmd: ResumeCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
+    ) -> AnswerRequest:
         def check(scope: Scope, stored: Stored) -> Answer:
             pause = stored.pause_pinned(scope, cmd.version)
             check_authority(Source.HOST, pause)
             return Answer(cmd.version, results_progress(pause, cmd.results, lease.owner), pause)
 
-        return await self._answer(cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check)
+        return _request(cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check)
 
     async def decide(
         self,
@@ -201,7 +235,19 @@ class CommandStore:
         correlation_id: str | None = None,
     ) -> Claimed:
         """An approval decision. ``principal`` is the broker-validated sender, never the body's word."""
+        return await self.answer(
+            self.decide_request(cmd, lease, principal=principal, receipt=receipt, correlation_id=correlation_id)
+        )
 
+    def decide_request(
+        self,
+        cmd: DecideCommand,
+        lease: Lease,
+        *,
+        principal: str | None,
+        receipt: Receipt | None = None,
+        correlation_id: str | None = None,
+    ) -> AnswerRequest:
         def check(scope: Scope, stored: Stored) -> Answer:
             if stored.checkpoint_state not in (None, "pending"):
                 # The original: a decision on a checkpoint that is no longer pending is invalid_state, even
@@ -220,7 +266,7 @@ class CommandStore:
                 decision=Decided(cmd.checkpoint_id, state, principal, cmd.reason),
             )
 
-        return await self._answer(
+        return _request(
             cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check, checkpoint_id=cmd.checkpoint_id
         )
 
@@ -229,7 +275,11 @@ class CommandStore:
     ) -> Claimed:
         """Claim a pause past its deadline (judged against ``expired_by`` AND the database clock) with
         ``ending = expire``; the worker fails the run with a reason naming the deadline."""
+        return await self.answer(self.expire_request(cmd, lease, receipt=receipt, correlation_id=correlation_id))
 
+    def expire_request(
+        self, cmd: ExpireCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
+    ) -> AnswerRequest:
         def check(scope: Scope, stored: Stored) -> Answer:
             pause = stored.pause_pinned(scope, cmd.version)
             deadline = pause.expires_at.isoformat() if pause.expires_at else "no deadline"
@@ -240,7 +290,7 @@ class CommandStore:
             first = ending_progress(pause, ending, lease.owner)
             return Answer(cmd.version, first, pause, expired_by=cmd.expired_by, announce=False)
 
-        return await self._answer(cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check)
+        return _request(cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check)
 
     async def cancel(
         self, cmd: CancelCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
@@ -301,22 +351,37 @@ class CommandStore:
                     continue  # resumed (and perhaps paused again) between the read and the claim
         raise TransientError(f"run {cmd.run_id} changed under the cancel {CANCEL_ATTEMPTS} times; try again")
 
-    async def _answer(
-        self,
-        scope: Scope,
-        run_id: str,
-        lease: Lease,
-        receipt: Receipt | None,
-        correlation_id: str | None,
-        check: Callable[[Scope, Stored], Answer],
-        *,
-        checkpoint_id: int | None = None,
-    ) -> Claimed:
-        scope = require_scope(scope)
-        check_lease(lease)
+    async def answer(self, request: AnswerRequest) -> Claimed:
+        """Apply one command that answers a pause: its read, its check, its claim."""
+        (result,) = await self.answer_all([request])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def answer_all(self, requests: Sequence[AnswerRequest]) -> list[Claimed | Exception]:
+        """Apply several commands that answer pauses together (group commit): ONE read for all of them, each
+        checked on its own, then ONE statement with every claim that passed, committed once. Each command's
+        outcome is its own: the run it claimed, or the typed error that refused it (AlreadyApplied for a
+        duplicate), in ``requests``' order; a refused command writes nothing, as alone. An error that is
+        nobody's in particular (the database away, a claim function that raised) is raised for the batch,
+        and nothing of the batch is written."""
+        results: list[Claimed | Exception | None] = [None] * len(requests)
         async with self.db.connection() as con:
-            stored = await self._read(con, scope, run_id, receipt, checkpoint_id)
-            return await self._claim(con, scope, run_id, lease, receipt, correlation_id, stored, check(scope, stored))
+            found = await self._read_all(con, [(r.scope, r.run_id, r.receipt, r.checkpoint_id) for r in requests])
+            claiming: list[tuple[int, _Claiming]] = []
+            for i, (request, stored) in enumerate(zip(requests, found, strict=True)):
+                if isinstance(stored, Exception):
+                    results[i] = stored
+                    continue
+                try:
+                    claiming.append((i, _Claiming(request, stored, request.check(request.scope, stored))))
+                except Exception as refused:  # the command's own refusal (or its bug), not the batch's
+                    results[i] = refused
+            claimed = await self._claim_all(con, [c for _, c in claiming])
+        for (i, _), outcome in zip(claiming, claimed, strict=True):
+            results[i] = outcome
+        assert all(r is not None for r in results)  # every command was read, then refused or claimed
+        return [r for r in results if r is not None]
 
     @staticmethod
     async def _read(
@@ -324,22 +389,49 @@ class CommandStore:
     ) -> Stored:
         """The command's first round trip: the run, its pause, the inbox (a recorded message_id is
         AlreadyApplied or MessageIdConflict here) and the named checkpoint's state."""
-        row = await con.fetchrow(
-            "read_for_command",
-            run_id,
-            scope.app,
-            scope.tenant,
-            inbox_arguments(receipt, scope)["message_id"],
-            checkpoint_id,
-        )
-        assert row is not None  # the read always returns its one row
-        if receipt is not None:
-            receipt.check_recorded(row["i_routing_key"], row["i_body_digest"], row["i_outcome"])
-        return Stored(
-            run=rows.run_from_row(row["run"]) if row["run"] is not None else None,
-            pause=rows.suspension_from_row(row["pause"]) if row["pause"] is not None else None,
-            checkpoint_state=row["k_state"],
-        )
+        (stored,) = await CommandStore._read_all(con, [(scope, run_id, receipt, checkpoint_id)])
+        if isinstance(stored, Exception):
+            raise stored
+        return stored
+
+    @staticmethod
+    async def _read_all(
+        con: Conn, keys: Sequence[tuple[Scope, str, Receipt | None, int | None]]
+    ) -> list[Stored | Exception]:
+        """``_read`` for each key, in one round trip (``read_for_command`` for one, ``read_for_commands``
+        for more)."""
+        message_ids = [inbox_arguments(receipt, scope)["message_id"] for scope, _, receipt, _ in keys]
+        if len(keys) == 1:
+            ((scope, run_id, _, checkpoint_id),) = keys
+            row = await con.fetchrow("read_for_command", run_id, scope.app, scope.tenant, message_ids[0], checkpoint_id)
+            assert row is not None  # the read always returns its one row
+            found = [row]
+        else:
+            found = await con.fetch(
+                "read_for_commands",
+                [run_id for _, run_id, _, _ in keys],
+                [scope.app for scope, _, _, _ in keys],
+                [scope.tenant for scope, _, _, _ in keys],
+                message_ids,
+                [checkpoint_id for _, _, _, checkpoint_id in keys],
+            )
+            assert len(found) == len(keys)  # one row per key, in order
+        stored: list[Stored | Exception] = []
+        for (_, _, receipt, _), row in zip(keys, found, strict=True):
+            try:
+                if receipt is not None:
+                    receipt.check_recorded(row["i_routing_key"], row["i_body_digest"], row["i_outcome"])
+            except Exception as recorded:
+                stored.append(recorded)
+                continue
+            stored.append(
+                Stored(
+                    run=rows.run_from_row(row["run"]) if row["run"] is not None else None,
+                    pause=rows.suspension_from_row(row["pause"]) if row["pause"] is not None else None,
+                    checkpoint_state=row["k_state"],
+                )
+            )
+        return stored
 
     @staticmethod
     async def _claim(
@@ -354,49 +446,36 @@ class CommandStore:
     ) -> Claimed:
         """The command's transition: the claim pinned to what was read and checked, with everything that
         commits with it."""
-        version = answer.version
-        event = (
-            outbox.run_event(
-                RunEvent(kind=RunEventKind.RESUMED, run_id=run_id, revision=version.run_revision + 1, scope=scope),
-                correlation_id,
+        request = AnswerRequest(scope, run_id, lease, receipt, correlation_id, lambda _scope, _stored: answer)
+        (result,) = await CommandStore._claim_all(con, [_Claiming(request, stored, answer)])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    @staticmethod
+    async def _claim_all(con: Conn, claims: Sequence[_Claiming]) -> list[Claimed | Exception]:
+        """The transitions of ``claims``, in ONE statement (``claim_pause`` for one, ``claim_pauses`` for
+        more), so they commit together; each claim's outcome is its own."""
+        if not claims:
+            return []
+        arguments = [_claim_arguments(c) for c in claims]
+        if len(claims) == 1:
+            row = await con.fetchrow("claim_pause", **arguments[0])
+            assert row is not None
+            found = [row]
+        else:
+            # Sorted by run, so that concurrent batches lock the runs they share in the same order.
+            order = sorted(
+                range(len(claims)),
+                key=lambda i: (claims[i].request.scope.app, claims[i].request.scope.tenant, claims[i].request.run_id),
             )
-            if answer.announce
-            else None
-        )
-        result = await con.fetchrow(
-            "claim_pause",
-            **claim_arguments(
-                scope,
-                run_id,
-                version=version,
-                expired_by=answer.expired_by,
-                lease=lease,
-                first=answer.first,
-                answers_only=True,
-                drop_pause=True,
-                receipt=receipt,
-                decision=answer.decision,
-                event=event,
-            ),
-        )
-        assert result is not None
-        outcome = result["outcome"]
-        if receipt is not None:
-            receipt.refuse(outcome)
-        if outcome != "claimed":
-            raise refusal(outcome, result, scope, run_id, version=version, expired_by=answer.expired_by)
-        assert stored.run is not None  # claimed, so it was read
-        run = stored.run.model_copy(
-            update={
-                "state": RunState.RUNNING,
-                "revision": result["r_revision"],
-                "lease_owner": result["r_lease_owner"],
-                "lease_expires_at": result["r_lease_expires_at"],
-                "updated_at": result["r_updated_at"],
-            }
-        )
-        progress = answer.first.model_copy(update={"scope": scope, "updated_at": result["first_updated_at"]})
-        return Claimed(run=run, progress=progress, suspension=answer.suspension, correlation_id=correlation_id)
+            columns = [[arguments[i][name] for i in order] for name in _CLAIM_ARGUMENTS]
+            by_position = await con.fetch("claim_pauses", *columns)
+            assert len(by_position) == len(claims)  # one row per claim, in the arrays' order
+            found = [by_position[0]] * len(claims)
+            for position, i in enumerate(order):
+                found[i] = by_position[position]
+        return [_claimed(c, row) for c, row in zip(claims, found, strict=True)]
 
     async def reply(
         self, cmd: ReplyCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
@@ -464,3 +543,73 @@ class CommandStore:
             return
         if admission.request_digest == request.digest():
             raise AlreadyApplied(correlation_id or f"reply to {version.run_id}", "admitted")
+
+
+def _request(
+    scope: Scope,
+    run_id: str,
+    lease: Lease,
+    receipt: Receipt | None,
+    correlation_id: str | None,
+    check: Callable[[Scope, Stored], Answer],
+    *,
+    checkpoint_id: int | None = None,
+) -> AnswerRequest:
+    """A checked-up request: the scope is one, the lease whole (no I/O before either holds)."""
+    check_lease(lease)
+    return AnswerRequest(require_scope(scope), run_id, lease, receipt, correlation_id, check, checkpoint_id)
+
+
+def _event(claim: _Claiming) -> outbox.OutboxEvent | None:
+    """The run.resumed a claim announces (its revision is known: the claim is pinned to the one before)."""
+    request, version = claim.request, claim.answer.version
+    if not claim.answer.announce:
+        return None
+    resumed = RunEvent(
+        kind=RunEventKind.RESUMED, run_id=request.run_id, revision=version.run_revision + 1, scope=request.scope
+    )
+    return outbox.run_event(resumed, request.correlation_id)
+
+
+def _claim_arguments(claim: _Claiming) -> dict[str, Any]:
+    request, answer = claim.request, claim.answer
+    return claim_arguments(
+        request.scope,
+        request.run_id,
+        version=answer.version,
+        expired_by=answer.expired_by,
+        lease=request.lease,
+        first=answer.first,
+        answers_only=True,
+        drop_pause=True,
+        receipt=request.receipt,
+        decision=answer.decision,
+        event=_event(claim),
+    )
+
+
+def _claimed(claim: _Claiming, result: Any) -> Claimed | Exception:
+    """One claim's outcome: the run as claimed, or the typed error of its refusal."""
+    request, answer, stored = claim.request, claim.answer, claim.stored
+    outcome = result["outcome"]
+    try:
+        if request.receipt is not None:
+            request.receipt.refuse(outcome)
+    except Exception as recorded:
+        return recorded
+    if outcome != "claimed":
+        return refusal(
+            outcome, result, request.scope, request.run_id, version=answer.version, expired_by=answer.expired_by
+        )
+    assert stored.run is not None  # claimed, so it was read
+    run = stored.run.model_copy(
+        update={
+            "state": RunState.RUNNING,
+            "revision": result["r_revision"],
+            "lease_owner": result["r_lease_owner"],
+            "lease_expires_at": result["r_lease_expires_at"],
+            "updated_at": result["r_updated_at"],
+        }
+    )
+    progress = answer.first.model_copy(update={"scope": request.scope, "updated_at": result["first_updated_at"]})
+    return Claimed(run=run, progress=progress, suspension=answer.suspension, correlation_id=request.correlation_id)

@@ -40,3 +40,35 @@ SELECT c.outcome, c.revision AS r_revision, c.lease_owner AS r_lease_owner,
     p_digest => $19, p_checkpoint_id => $20, p_checkpoint_state => $21, p_decided_by => $22,
     p_decision_reason => $23, p_event_message_id => $24, p_event_routing_key => $25, p_event_body => $26,
     p_event_correlation_id => $27, p_event_headers => $28, p_rows => $29) AS c;
+
+-- claim_pauses --
+-- claim_pause for a batch of commands in ONE statement (group commit, consumers/batching.py): one round trip
+-- and one commit for the batch. Each array is one of claim_pause's arguments, in claim_pause's order ($1
+-- run_ids ... $29 rows; reasons as text), one element per claim. The claims run in the arrays' order (the
+-- caller sorts them by run, so that two batches take the runs' row locks in the same order), and each sees
+-- what the claims before it wrote: a second command for a pause an earlier one claimed is refused as it
+-- would be one after the other, and a message_id twice in one batch is a duplicate the second time. Every
+-- claim decides its own outcome; one that raises (a decision on a checkpoint no longer pending) fails the
+-- statement, and the caller applies that batch's commands one at a time instead. One row per claim, as
+-- claim_pause returns it, with its position n (from 1).
+-- writes: outbox, inbox
+SELECT a.n, c.outcome, c.revision AS r_revision, c.lease_owner AS r_lease_owner,
+       c.lease_expires_at AS r_lease_expires_at, c.updated_at AS r_updated_at, c.suspension_id AS s_id,
+       c.expires_at AS s_expires_at, c.first_updated_at, c.run, c.pause
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::timestamptz[], $7::text[],
+              $8::text[], $9::float8[], $10::boolean[], $11::jsonb[], $12::jsonb[], $13::jsonb[], $14::jsonb[],
+              $15::jsonb[], $16::boolean[], $17::text[], $18::text[], $19::text[], $20::bigint[], $21::text[],
+              $22::text[], $23::text[], $24::uuid[], $25::text[], $26::text[], $27::text[], $28::jsonb[],
+              $29::boolean[])
+       WITH ORDINALITY AS a(run_id, app, tenant, suspension_id, revision, expired_by, reason, lease_owner,
+                            lease_ttl, first, first_continuation, first_started, first_done, first_ending,
+                            first_approved, drop_pause, message_id, routing_key, digest, checkpoint_id,
+                            checkpoint_state, decided_by, decision_reason, event_message_id,
+                            event_routing_key, event_body, event_correlation_id, event_headers, whole, n)
+ CROSS JOIN LATERAL intermission_claim_pause_v1(
+       a.run_id, a.app, a.tenant, a.suspension_id, a.revision, a.expired_by, a.reason::suspend_reason,
+       a.lease_owner, a.lease_ttl, a.first, a.first_continuation, a.first_started, a.first_done, a.first_ending,
+       a.first_approved, a.drop_pause, a.message_id, a.routing_key, a.digest, a.checkpoint_id,
+       a.checkpoint_state, a.decided_by, a.decision_reason, a.event_message_id, a.event_routing_key,
+       a.event_body, a.event_correlation_id, a.event_headers, a.whole) AS c
+ ORDER BY a.n;

@@ -1,0 +1,323 @@
+"""Group commit (consumers/batching.py): commands that arrive together are applied in one transaction, and
+every guarantee of a single command still holds per command.
+
+To put many commands into ONE batch deterministically, a test holds the row lock of a "blocker" run: the
+worker's only batch (``command_batches_in_flight = 1``) waits on it in its claim, and the commands
+published meanwhile gather for the next batch. The test waits until the worker holds all of them, then
+lets the lock go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+import pytest
+
+from intermission.agent.loop import default_executor
+from intermission.fleet.settings import Settings
+from intermission.fleet.worker import Worker, running_worker
+from intermission.publishers.clients import HostClient, Received, Subscription, version_of
+from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.errors import NotSuspended, RunConflict
+from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.schemas.script import ScriptTurn
+from intermission.schemas.suspension import ClaimVersion, Notice
+from intermission.store import Stores
+from intermission.store.commands import Claimed
+from intermission.store.inbox import AlreadyApplied, Receipt
+from intermission.wire import Command
+from tests.support.fleet import outbox_keys
+from tests.support.waiting import eventually
+
+WAIT = 30.0
+LOOKUP = [{"call": [{"tool": "lookup", "arguments": {"query": "q"}}]}, {"say": "done"}]
+
+
+def start(scope: Scope) -> StartCommand:
+    return StartCommand(
+        scope=scope,
+        run_id=f"run-{uuid.uuid4().hex[:12]}",
+        agent_id="demo",
+        input="hi",
+        script=[ScriptTurn.model_validate(t) for t in LOOKUP],
+    )
+
+
+def answer(notice: Notice, content: str = "42") -> ResumeCommand:
+    return ResumeCommand(
+        scope=notice.scope,
+        version=version_of(notice),
+        results=[ToolAnswer(call_id=notice.pending[0].id, content=content)],
+    )
+
+
+class Heard:
+    """Every event a subscription hears, kept, so that a test can wait for several kinds in any order."""
+
+    def __init__(self, events: Subscription[Any]) -> None:
+        self.events = events
+        self.all: list[Received[Any]] = []
+
+    def of(self, wanted: Callable[[Received[Any]], bool]) -> list[Received[Any]]:
+        return [r for r in self.all if wanted(r)]
+
+    async def until(self, wanted: Callable[[Received[Any]], bool], count: int) -> list[Received[Any]]:
+        """The events ``wanted`` picks, once there are ``count`` of them."""
+        async with asyncio.timeout(WAIT):
+            while len(found := self.of(wanted)) < count:
+                self.all.append(await anext(aiter(self.events)))
+        return found
+
+
+def completed_of(run_ids: set[str]) -> Callable[[Received[Any]], bool]:
+    return lambda r: (
+        isinstance(r.event, RunEvent) and r.event.kind is RunEventKind.COMPLETED and r.event.run_id in run_ids
+    )
+
+
+def rejected_of(message_ids: set[str]) -> Callable[[Received[Any]], bool]:
+    return lambda r: isinstance(r.event, CommandRejected) and r.event.message_id in message_ids
+
+
+async def pause_all(host: HostClient, heard: Heard, scope: Scope, n: int) -> list[Notice]:
+    commands = [start(scope) for _ in range(n)]
+    for cmd in commands:
+        await host.start(cmd)
+    ids = {c.run_id for c in commands}
+    found = await heard.until(lambda r: isinstance(r.event, Notice) and r.event.run_id in ids, n)
+    by_run = {r.event.run_id: r.event for r in found}
+    return [by_run[c.run_id] for c in commands]
+
+
+@asynccontextmanager
+async def one_batch_at_a_time(settings: Settings, stores: Stores) -> AsyncIterator[Worker]:
+    changed = settings.model_copy(update={"command_batches_in_flight": 1, "prefetch": 64})
+    async with running_worker(changed, executor=default_executor(), stores=stores) as w:
+        yield w
+
+
+@asynccontextmanager
+async def held_back(
+    stores: Stores, w: Worker, host: HostClient, blocker: Notice
+) -> AsyncIterator[Callable[[int], Awaitable[None]]]:
+    """Hold the worker's one batch on the blocker run's row lock. Yields ``gathered(n)``, which returns once
+    ``n`` deliveries wait for the next batch; leaving the block lets the lock go."""
+    assert w.consumers.batches is not None
+    batches = w.consumers.batches
+    con: asyncpg.Connection[Any] = await asyncpg.connect(stores.db.dsn)
+    try:
+        tx = con.transaction()
+        await tx.start()
+        await con.execute("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE", blocker.run_id)
+        await host.resume(answer(blocker))
+
+        async def blocked() -> bool:
+            # The blocker's claim (claim_pause, a batch of one) waits on the lock. Read on another connection:
+            # inside a transaction, pg_stat_activity is read once and kept.
+            async with stores.db.connection() as watcher:
+                waiting = await watcher.raw.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock' AND query LIKE 'SELECT c.outcome,%'"
+                )
+            return bool(waiting == 1)
+
+        await eventually(blocked, within=WAIT, what="the blocker's claim waiting on its lock")
+
+        async def gathered(n: int) -> None:
+            async def enough() -> bool:
+                return batches.waiting >= n
+
+            await eventually(enough, within=WAIT, what=f"{n} deliveries waiting for the next batch")
+
+        yield gathered
+        await tx.rollback()
+    finally:
+        await con.close()
+
+
+async def test_thirty_two_resumes_of_one_pause_in_one_batch_claim_it_once(
+    stores: Stores, scope: Scope, settings: Settings, host: HostClient
+) -> None:
+    async with one_batch_at_a_time(settings, stores) as w, host.subscribe(scope) as subscription:
+        events = Heard(subscription)
+        blocker, target = await pause_all(host, events, scope, 2)
+        contenders = [answer(target, content=f"answer {i}") for i in range(32)]
+        async with held_back(stores, w, host, blocker) as gathered:
+            ids = [await host.resume(c) for c in contenders]
+            await gathered(len(ids))
+        rejected = await events.until(rejected_of(set(ids)), len(ids) - 1)
+        await events.until(completed_of({target.run_id}), 1)
+        await w.drain()
+        assert w.consumers.batches is not None
+        assert max(w.consumers.batches.sizes) == 32  # the contenders went together
+
+    assert {r.event.code for r in rejected} <= {"not_suspended", "run_conflict"}
+    winners = set(ids) - {r.event.message_id for r in rejected}
+    assert len(winners) == 1
+    (winner,) = winners
+    async with stores.db.connection() as con:
+        recorded = await con.raw.fetch("SELECT message_id FROM inbox WHERE message_id = ANY($1)", ids)
+        progress_rows = await con.raw.fetchval("SELECT count(*) FROM progress WHERE run_id = $1", target.run_id)
+    assert [r["message_id"] for r in recorded] == [winner]  # the refused left no inbox record
+    assert progress_rows == 0  # the run ended: its progress went with it
+    keys = await outbox_keys(stores, scope, target.run_id)
+    assert keys.count(f"run.resumed.{scope.app}.{scope.tenant}") == 1
+    assert keys[-1] == f"run.completed.{scope.app}.{scope.tenant}"
+    run = await stores.at(scope).runs.get_run(target.run_id)
+    assert run.state is RunState.COMPLETED
+
+
+async def test_one_message_delivered_many_times_within_one_batch_has_one_effect_and_no_refusal(
+    stores: Stores, scope: Scope, settings: Settings, host: HostClient
+) -> None:
+    async with one_batch_at_a_time(settings, stores) as w, host.subscribe(scope) as subscription:
+        events = Heard(subscription)
+        blocker, target = await pause_all(host, events, scope, 2)
+        resume = answer(target)
+        message_id = str(uuid.uuid4())
+        async with held_back(stores, w, host, blocker) as gathered:
+            for _ in range(10):
+                await host.resume(resume, message_id=message_id)
+            await gathered(10)
+        await events.until(completed_of({target.run_id}), 1)
+        await w.drain()
+        assert w.consumers.batches is not None
+        assert max(w.consumers.batches.sizes) == 10
+
+    async with stores.db.connection() as con:
+        assert await con.raw.fetchval("SELECT count(*) FROM inbox WHERE message_id = $1", message_id) == 1
+        rejected = await con.raw.fetchval(
+            "SELECT count(*) FROM outbox WHERE routing_key LIKE 'command.rejected.%' AND body LIKE '%' || $1 || '%'",
+            message_id,
+        )
+    assert rejected == 0  # a duplicate is acknowledged, never refused
+    keys = await outbox_keys(stores, scope, target.run_id)
+    assert keys.count(f"run.resumed.{scope.app}.{scope.tenant}") == 1
+
+
+async def test_a_batch_with_refusals_applies_every_other_command(
+    stores: Stores, scope: Scope, settings: Settings, host: HostClient
+) -> None:
+    async with one_batch_at_a_time(settings, stores) as w, host.subscribe(scope) as subscription:
+        events = Heard(subscription)
+        blocker, *targets = await pause_all(host, events, scope, 9)
+        good = [answer(n) for n in targets]
+        stale = targets[0].model_copy(update={"suspension_id": targets[0].suspension_id + 1000})
+        wrong_pause = answer(stale)  # pinned to a pause the run never had
+        unknown = answer(targets[1].model_copy(update={"run_id": "run-nobody"}))
+        async with held_back(stores, w, host, blocker) as gathered:
+            bad_ids = {await host.resume(wrong_pause), await host.resume(unknown)}
+            for cmd in good:
+                await host.resume(cmd)
+            await gathered(len(good) + len(bad_ids))
+        rejected = await events.until(rejected_of(bad_ids), len(bad_ids))
+        await events.until(completed_of({n.run_id for n in targets}), len(targets))
+        await w.drain()
+        assert w.consumers.batches is not None
+        assert max(w.consumers.batches.sizes) == len(good) + len(bad_ids)
+
+    assert sorted(r.event.code for r in rejected) == ["not_suspended", "run_conflict"]
+    for n in targets:
+        keys = await outbox_keys(stores, scope, n.run_id)
+        assert keys.count(f"run.resumed.{scope.app}.{scope.tenant}") == 1
+        assert (await stores.at(scope).runs.get_run(n.run_id)).state is RunState.COMPLETED
+    async with stores.db.connection() as con:
+        assert await con.raw.fetchval("SELECT count(*) FROM inbox WHERE message_id = ANY($1)", list(bad_ids)) == 0
+
+
+async def test_a_batch_acknowledges_its_applied_deliveries_with_one_frame(
+    stores: Stores, scope: Scope, settings: Settings, host: HostClient
+) -> None:
+    async with one_batch_at_a_time(settings, stores) as w, host.subscribe(scope) as subscription:
+        events = Heard(subscription)
+        blocker, *targets = await pause_all(host, events, scope, 7)
+        async with held_back(stores, w, host, blocker) as gathered:
+            for n in targets:
+                await host.resume(answer(n))
+            await gathered(len(targets))
+            acks = w.consumers.policy.acks
+            frames, acknowledged = acks.frames, acks.acknowledged
+        await events.until(completed_of({n.run_id for n in targets}), len(targets))
+        await w.drain()
+        # Every earlier delivery of the channel (the starts, the blocker's resume) was settled before the
+        # batch's acknowledgement, so the six were its lowest unsettled tags: one frame for all six.
+        assert acks.acknowledged - acknowledged == len(targets)
+        assert acks.frames - frames == 1
+
+
+async def test_answer_all_decides_each_command_on_its_own_in_one_statement(
+    stores: Stores, scope: Scope, worker: Worker, host: HostClient
+) -> None:
+    async with host.subscribe(scope) as subscription:
+        events = Heard(subscription)
+        first, second, third = await pause_all(host, events, scope, 3)
+    lease = worker.fleet.lease()
+    commands = stores.commands
+
+    def resume(notice: Notice, message_id: str, **version: Any) -> Any:
+        cmd = answer(notice)
+        if version:
+            cmd = cmd.model_copy(update={"version": ClaimVersion(**(cmd.version.model_dump() | version))})
+        receipt = Receipt.of(message_id, Command.RESUME.value, cmd)
+        return commands.resume_request(cmd, lease, receipt=receipt, correlation_id=message_id)
+
+    requests = [
+        resume(first, "m-first"),
+        resume(second, "m-second"),
+        resume(first, "m-first-again"),  # the same pause once more: the first took it
+        resume(second, "m-second"),  # the same message twice in one batch: a duplicate
+        resume(third, "m-third", suspension_id=third.suspension_id + 1000),  # pinned to another pause
+    ]
+    outcomes = await commands.answer_all(requests)
+    claimed = [o for o in outcomes if isinstance(o, Claimed)]
+    assert [c.run.id for c in claimed] == [first.run_id, second.run_id]
+    assert isinstance(outcomes[2], NotSuspended | RunConflict)
+    assert isinstance(outcomes[3], AlreadyApplied)
+    assert isinstance(outcomes[4], RunConflict)
+    for c in claimed:
+        assert c.run.state is RunState.RUNNING
+        assert c.run.lease_owner == lease.owner
+    async with stores.db.connection() as con:
+        recorded = await con.raw.fetch(
+            "SELECT message_id FROM inbox WHERE app = $1 AND tenant = $2 AND message_id LIKE 'm-%' ORDER BY 1",
+            scope.app,
+            scope.tenant,
+        )
+        third_run = await con.raw.fetchrow("SELECT state, revision FROM runs WHERE id = $1", third.run_id)
+    assert [r["message_id"] for r in recorded] == ["m-first", "m-second"]
+    assert third_run["state"] == "paused"
+    assert third_run["revision"] == third.run_revision
+
+
+@pytest.mark.parametrize("size", [2, 24])
+async def test_answer_all_of_a_batch_that_raises_writes_nothing(
+    stores: Stores, scope: Scope, worker: Worker, host: HostClient, size: int
+) -> None:
+    """A claim that raises (here: a lease with a ttl the database refuses) fails the whole statement, and
+    nothing of any claim in it stays."""
+    async with host.subscribe(scope) as subscription:
+        events = Heard(subscription)
+        notices = await pause_all(host, events, scope, size)
+    lease = worker.fleet.lease()
+    requests = [
+        stores.commands.resume_request(
+            answer(n), lease, receipt=Receipt.of(f"m-{i}", Command.RESUME.value, answer(n)), correlation_id=None
+        )
+        for i, n in enumerate(notices)
+    ]
+    bad_lease = lease.model_copy(update={"ttl_seconds": float("inf")})
+    requests[0] = dataclasses.replace(requests[0], lease=bad_lease)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - the database's error, whatever its class
+        await stores.commands.answer_all(requests)
+    async with stores.db.connection() as con:
+        assert await con.raw.fetchval("SELECT count(*) FROM inbox WHERE message_id LIKE 'm-%'") == 0
+        states = await con.raw.fetch("SELECT state FROM runs WHERE id = ANY($1)", [n.run_id for n in notices])
+    assert {r["state"] for r in states} == {"paused"}
