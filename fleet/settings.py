@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     reclaim_batch: int = Field(default=32, ge=1, le=1000)
     relay_batch: int = Field(default=256, ge=1, le=10000)
     # The poll that backs up LISTEN/NOTIFY.
+    # How long the outbox row of an event published from memory after its commit (a claim's run.resumed:
+    # publishers/relay.py, hand_over) waits before the relays may publish it instead: enough for the
+    # publication's confirm and the row's marking, short because it is how late such an event is when its
+    # worker dies right after the commit (plus up to relay_poll_seconds). 0: every event goes through the
+    # relays.
+    outbox_hold_seconds: float = Field(default=3.0, ge=0)
     relay_poll_seconds: float = Field(default=5.0, gt=0)
     # How long a publisher waits for a batch's confirms before retrying it.
     publish_timeout_seconds: float = Field(default=10.0, gt=0)

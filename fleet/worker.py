@@ -74,6 +74,7 @@ class Worker:
         for rows the broker refused: those wait for their next attempt, or are quarantined)."""
         while True:
             await self.fleet.drain()
+            await self.relay.handed_settled()
             await self.relay.run_once()
             if self.fleet.running == 0 and self.consumers.in_flight == 0:
                 return
@@ -133,6 +134,13 @@ async def running_worker(
         # Every commit of this process that adds outbox rows wakes the relay at once; LISTEN (above) still
         # brings the rows other processes write (hosts using the store, the CLI).
         stop_waking = stores.db.on_outbox_commit(relay.wake)
+        # The events a claim knows whole are published from memory right after its commit (relay.hand_over);
+        # their rows wait outbox_hold_seconds for the relays, which publish them only if that failed.
+        stop_handing = (
+            stores.db.hand_over_to(relay.hand_over, hold_seconds=settings.outbox_hold_seconds)
+            if settings.outbox_hold_seconds > 0
+            else lambda: None
+        )
 
         def hand_over(claimed: Claimed) -> None:
             fleet.submit(claimed)
@@ -204,6 +212,7 @@ async def running_worker(
             relay_stop.set()
             await supervisor.stop(settings.shutdown_grace_seconds)
             stop_waking()
+            stop_handing()
             await relay.close()
             with contextlib.suppress(Exception):
                 await channel.close()

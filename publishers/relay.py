@@ -24,6 +24,15 @@ Events are published WITHOUT ``mandatory``: ``intermission.events`` is a topic e
 be bound to (no host subscribed to that tenant yet), and an unroutable event is normal, not a failure.
 With ``mandatory`` the broker would return such a message and the relay would retry it forever.
 
+Events a writer knows whole before its transaction (a claim's ``run.resumed``) need no relay at all: the
+writer HANDS THEM OVER (``store/db.py``), and right after their commit ``hand_over`` publishes them from
+memory, on the same confirm channel, and marks their rows sent with one statement per batch of confirms.
+Their rows are written with a hold (migration 0009): the relays leave them alone for ``hold_seconds``,
+and publish them only if the hand-over did not get them confirmed and marked by then (the worker died
+after the commit, the broker was away, a nack). A hand-over that fails is therefore never retried here:
+the row is still the durable record, and the relays' next look after the hold does the rest, under the
+same ``message_id``.
+
 The relay wakes on ``LISTEN intermission_outbox`` (the ``outbox_notify`` trigger fires once per inserting
 transaction) and also polls every ``poll_seconds``, so a lost notification delays an event but never
 strands it. Publication failures (broker down, channel closed, no confirm in time, database gone) back off
@@ -41,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from types import TracebackType
 
 import aio_pika
@@ -59,6 +69,7 @@ from intermission.publishers.amqp import (
 from intermission.store.across_scopes import AcrossScopes, OutboxRow, RefusalPolicy, Refused
 from intermission.store.db import Database
 from intermission.store.notifications import OutboxListener
+from intermission.store.outbox import OutboxEvent
 from intermission.wire import EVENTS_EXCHANGE, message, wire_problem
 
 log = logging.getLogger("intermission.relay")
@@ -73,6 +84,18 @@ def outbox_message(row: OutboxRow) -> aio_pika.Message:
         routing_key=row.routing_key,
         correlation_id=row.correlation_id,
         headers=row.headers,
+    )
+
+
+def handed_message(event: OutboxEvent) -> aio_pika.Message:
+    """A handed-over event as published: exactly what its row holds, so that the relay's publication of the
+    row (after a crash) is the same message."""
+    return message(
+        event.body,
+        message_id=str(event.message_id),
+        routing_key=event.routing_key,
+        correlation_id=event.correlation_id,
+        headers=event.headers,
     )
 
 
@@ -131,6 +154,15 @@ class OutboxRelay:
         # most once per poll interval, and after every quarantine.
         self.quarantined_rows: int | None = None
         self._counted_at: float | None = None
+        # Handed-over events waiting to be published, and confirmed ones waiting to be marked sent; one task
+        # each at a time, taking everything that waits (so under load each publishes and marks in batches).
+        self._handed: list[OutboxEvent] = []
+        self._confirmed: list[uuid.UUID] = []
+        self._publishing: asyncio.Task[None] | None = None
+        self._marking: asyncio.Task[None] | None = None
+        # Handed-over events published and marked sent by this relay, and those left for the relays.
+        self.handed = 0
+        self.handed_failed = 0
 
     async def __aenter__(self) -> OutboxRelay:
         return self
@@ -156,6 +188,55 @@ class OutboxRelay:
     def wake(self) -> None:
         """Look at the outbox now rather than at the next poll."""
         self._wake.set()
+
+    def hand_over(self, events: list[OutboxEvent]) -> None:
+        """Publish ``events``, whose rows just committed under a hold, from memory (see the module
+        docstring). Returns at once."""
+        self._handed.extend(events)
+        if self._publishing is None or self._publishing.done():
+            self._publishing = asyncio.create_task(self._publish_handed())
+
+    async def _publish_handed(self) -> None:
+        while self._handed:
+            taken, self._handed = self._handed, []
+            try:
+                outcomes = await self._publisher.publish_all(
+                    [Outgoing(handed_message(e), e.routing_key) for e in taken]
+                )
+            except Exception as exc:  # the broker away: the relays publish these rows once their hold ends
+                outcomes = [exc] * len(taken)
+            failed = sum(1 for outcome in outcomes if outcome is not None)
+            if failed:
+                self.handed_failed += failed
+                log.info(
+                    "handed-over events not confirmed; left to the relays",
+                    extra={"action": "handover_unconfirmed", "relay": self._name, "events": failed},
+                )
+            self._confirmed.extend(e.message_id for e, outcome in zip(taken, outcomes, strict=True) if outcome is None)
+            if self._confirmed and (self._marking is None or self._marking.done()):
+                self._marking = asyncio.create_task(self._mark_handed())
+
+    async def _mark_handed(self) -> None:
+        while self._confirmed:
+            taken, self._confirmed = self._confirmed, []
+            try:
+                await self._outbox.mark_handed_sent(taken)
+            except Exception as exc:  # the database away: the relays publish them again, same message_id
+                log.info(
+                    "could not mark handed-over events sent; the relays will publish them again",
+                    extra={"action": "handover_unmarked", "relay": self._name, "error": type(exc).__name__},
+                )
+                continue
+            self.handed += len(taken)
+            self.published += len(taken)
+
+    async def handed_settled(self) -> None:
+        """Return once every event handed over so far is published and marked (or left to the relays)."""
+        while True:
+            pending = [t for t in (self._publishing, self._marking) if t is not None and not t.done()]
+            if not pending:
+                return
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def run_once(self, stop: asyncio.Event | None = None) -> int:
         """Publish every row unsent and due right now, batch after batch, until a batch comes back short
@@ -318,4 +399,12 @@ class OutboxRelay:
             raise RuntimeError(f"the outbox listener of {self._name} ended") from error
 
     async def close(self) -> None:
+        # What is still being handed over finishes first (bounded): a row left unmarked is only published
+        # again later, but one publication fewer is one duplicate fewer.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._publish_timeout):
+                await self.handed_settled()
+        for task in (self._publishing, self._marking):
+            if task is not None and not task.done():
+                task.cancel()
         await self._publisher.close()

@@ -11,6 +11,7 @@ continues each run under its stored scope; the relay publishes each event to its
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -299,6 +300,13 @@ class AcrossScopes:
         """Rows the relay has yet to publish (quarantined ones are not among them)."""
         async with self.db.connection() as con:
             return int(await con.fetchval("count_unsent_outbox"))
+
+    async def mark_handed_sent(self, message_ids: Sequence[uuid.UUID]) -> None:
+        """Mark sent the rows of events published from memory whose publisher confirm arrived (one
+        statement for all of them)."""
+        if message_ids:
+            async with self.db.connection() as con:
+                await con.execute("mark_handed_outbox_sent", list(message_ids))
 
     async def count_quarantined_outbox(self) -> int:
         async with self.db.connection() as con:

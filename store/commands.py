@@ -169,8 +169,9 @@ class _Claiming:
     answer: Answer
 
 
-# The batch statements take claim_pause's arguments as arrays, in claim_pause's order.
-_CLAIM_ARGUMENTS: tuple[str, ...] = QUERIES["claim_pause"].arguments or ()
+# The batch statement takes claim_pause's arguments as arrays, in claim_pause's order, and the outbox hold
+# (one for the batch) after them.
+_CLAIM_ARGUMENTS: tuple[str, ...] = tuple(a for a in QUERIES["claim_pause"].arguments or () if a != "outbox_hold")
 
 
 class CommandStore:
@@ -455,12 +456,15 @@ class CommandStore:
     @staticmethod
     async def _claim_all(con: Conn, claims: Sequence[_Claiming]) -> list[Claimed | Exception]:
         """The transitions of ``claims``, in ONE statement (``claim_pause`` for one, ``claim_pauses`` for
-        more), so they commit together; each claim's outcome is its own."""
+        more), so they commit together; each claim's outcome is its own. The run.resumed events of the
+        claims that succeed are known whole here, so where the database hands events over they are handed
+        over (``Conn.hand_over``): published from memory after the commit, their rows held for the relays."""
         if not claims:
             return []
-        arguments = [_claim_arguments(c) for c in claims]
+        events = [_event(c) for c in claims]
+        arguments = [_claim_arguments(c, event) for c, event in zip(claims, events, strict=True)]
         if len(claims) == 1:
-            row = await con.fetchrow("claim_pause", **arguments[0])
+            row = await con.fetchrow("claim_pause", **arguments[0], outbox_hold=con.outbox_hold)
             assert row is not None
             found = [row]
         else:
@@ -470,12 +474,21 @@ class CommandStore:
                 key=lambda i: (claims[i].request.scope.app, claims[i].request.scope.tenant, claims[i].request.run_id),
             )
             columns = [[arguments[i][name] for i in order] for name in _CLAIM_ARGUMENTS]
-            by_position = await con.fetch("claim_pauses", *columns)
+            by_position = await con.fetch("claim_pauses", *columns, con.outbox_hold)
             assert len(by_position) == len(claims)  # one row per claim, in the arrays' order
             found = [by_position[0]] * len(claims)
             for position, i in enumerate(order):
                 found[i] = by_position[position]
-        return [_claimed(c, row) for c, row in zip(claims, found, strict=True)]
+        outcomes = [_claimed(c, row) for c, row in zip(claims, found, strict=True)]
+        if con.outbox_hold is not None:
+            con.hand_over(
+                [
+                    event
+                    for event, row in zip(events, found, strict=True)
+                    if event is not None and row["outcome"] == "claimed"
+                ]
+            )
+        return outcomes
 
     async def reply(
         self, cmd: ReplyCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
@@ -571,9 +584,10 @@ def _event(claim: _Claiming) -> outbox.OutboxEvent | None:
     return outbox.run_event(resumed, request.correlation_id)
 
 
-def _claim_arguments(claim: _Claiming) -> dict[str, Any]:
+def _claim_arguments(claim: _Claiming, event: outbox.OutboxEvent | None) -> dict[str, Any]:
+    """The claim's named arguments, but for the outbox hold (the statement's, not the claim's)."""
     request, answer = claim.request, claim.answer
-    return claim_arguments(
+    named = claim_arguments(
         request.scope,
         request.run_id,
         version=answer.version,
@@ -584,8 +598,10 @@ def _claim_arguments(claim: _Claiming) -> dict[str, Any]:
         drop_pause=True,
         receipt=request.receipt,
         decision=answer.decision,
-        event=_event(claim),
+        event=event,
     )
+    del named["outbox_hold"]
+    return named
 
 
 def _claimed(claim: _Claiming, result: Any) -> Claimed | Exception:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -24,6 +24,7 @@ from intermission.schemas.errors import (
     StoreContention,
     StoreUnavailable,
 )
+from intermission.store.outbox import OutboxEvent
 from intermission.store.queries import OUTBOX_WRITERS, QUERIES
 
 log = logging.getLogger("intermission.store")
@@ -104,18 +105,38 @@ def translated() -> Iterator[None]:
 
 
 class Conn:
-    """A connection that runs named statements, and remembers whether one of them added outbox rows."""
+    """A connection that runs named statements, and remembers whether they added outbox rows and which of
+    those rows their writer hands over to be published from memory after the commit (``hand_over``)."""
 
-    __slots__ = ("raw", "wrote_outbox")
+    __slots__ = ("handed", "handed_writes", "outbox_hold", "outbox_writes", "raw")
 
-    def __init__(self, raw: asyncpg.Connection[Any] | PoolConnectionProxy[Any]) -> None:
+    def __init__(
+        self, raw: asyncpg.Connection[Any] | PoolConnectionProxy[Any], *, outbox_hold: float | None = None
+    ) -> None:
         self.raw = raw
-        self.wrote_outbox = False
+        # Statements run that may add outbox rows, and those whose rows were all handed over.
+        self.outbox_writes = 0
+        self.handed_writes = 0
+        self.handed: list[OutboxEvent] = []
+        # How long the rows of a statement that hands them over wait for the relays (None: this database
+        # does not hand events over; see ``Database.hand_over_to``).
+        self.outbox_hold = outbox_hold
+
+    @property
+    def wrote_outbox(self) -> bool:
+        return self.outbox_writes > 0
+
+    def hand_over(self, events: Sequence[OutboxEvent]) -> None:
+        """The last outbox-writing statement wrote exactly ``events`` (none: it wrote no row), each written
+        under ``outbox_hold``: they go to the database's hand-over once the transaction has committed, and
+        that statement needs no relay."""
+        self.handed.extend(events)
+        self.handed_writes += 1
 
     def _prepare(self, name: str, args: tuple[Any, ...], named: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
         query = QUERIES[name]
         if name in OUTBOX_WRITERS:
-            self.wrote_outbox = True
+            self.outbox_writes += 1
         if not named:
             return query.sql, args
         if args or query.arguments is None:
@@ -203,6 +224,8 @@ class Database:
         self.dsn = dsn
         self.server_settings = dict(server_settings or {})
         self._outbox_listeners: list[Callable[[], None]] = []
+        self._hand_over: Callable[[list[OutboxEvent]], None] | None = None
+        self.outbox_hold_seconds: float | None = None
         # Which server the pool's connections reach (set by ``connect``, which installs the init hook).
         self.tracker: _ServerTracker | None = None
 
@@ -212,10 +235,31 @@ class Database:
         self._outbox_listeners.append(wake)
         return lambda: self._outbox_listeners.remove(wake)
 
-    def _ended(self, conn: Conn) -> None:
-        if conn.wrote_outbox:
+    def hand_over_to(self, publish: Callable[[list[OutboxEvent]], None], *, hold_seconds: float) -> Callable[[], None]:
+        """Have the events that writers know whole before their transaction (a claim's run.resumed) handed
+        to ``publish`` right after their commit, to be published from memory; their rows wait
+        ``hold_seconds`` for the relays meanwhile (migration 0009), which publish them only if ``publish``
+        did not get them confirmed and marked sent by then (a crash, an outage). Returns the function that
+        stops it (the events of later commits then go through the relays alone, as before)."""
+        self._hand_over = publish
+        self.outbox_hold_seconds = hold_seconds
+
+        def stop() -> None:
+            if self._hand_over is publish:
+                self._hand_over = None
+                self.outbox_hold_seconds = None
+
+        return stop
+
+    def _conn(self, raw: asyncpg.Connection[Any] | PoolConnectionProxy[Any]) -> Conn:
+        return Conn(raw, outbox_hold=self.outbox_hold_seconds if self._hand_over is not None else None)
+
+    def _ended(self, conn: Conn, *, committed: bool = True) -> None:
+        if conn.outbox_writes > conn.handed_writes:
             for wake in self._outbox_listeners:
                 wake()
+        if committed and conn.handed and self._hand_over is not None:
+            self._hand_over(conn.handed)
 
     @classmethod
     async def connect(
@@ -281,22 +325,26 @@ class Database:
         """A connection inside one transaction; it commits when the block ends without an error."""
         with translated():
             async with self.pool.acquire() as raw:
-                conn = Conn(raw)
+                conn = self._conn(raw)
+                committed = False
                 try:
                     async with raw.transaction():
                         yield conn
+                    committed = True
                 except asyncpg.OutdatedSchemaCacheError:
                     await _forget_types(raw)
                     raise
                 finally:
-                    self._ended(conn)
+                    self._ended(conn, committed=committed)
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[Conn]:
         """A connection in autocommit mode: each statement is its own transaction."""
         with translated():
             async with self.pool.acquire() as raw:
-                conn = Conn(raw)
+                # Autocommit: a statement that returned has committed, so its handed events go whatever
+                # the block does next.
+                conn = self._conn(raw)
                 try:
                     yield conn
                 except asyncpg.OutdatedSchemaCacheError:

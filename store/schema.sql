@@ -397,6 +397,17 @@ $$;
 
 
 --
+-- Name: intermission_hold_outbox_v1(double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_hold_outbox_v1(p_outbox_hold double precision) RETURNS boolean
+    LANGUAGE sql
+    AS $$
+    SELECT set_config('intermission.outbox_hold_seconds', COALESCE(p_outbox_hold::text, ''), true) IS NOT NULL;
+$$;
+
+
+--
 -- Name: intermission_pause_run_v1(text, text, text, text, public.suspend_reason, jsonb, jsonb, text[], double precision, integer, bigint, jsonb, uuid, text, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -953,7 +964,7 @@ CREATE TABLE public.outbox (
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     sent_at timestamp with time zone,
     attempts integer DEFAULT 0 NOT NULL,
-    next_attempt_at timestamp with time zone,
+    next_attempt_at timestamp with time zone DEFAULT (now() + make_interval(secs => (NULLIF(current_setting('intermission.outbox_hold_seconds'::text, true), ''::text))::double precision)),
     quarantined_at timestamp with time zone,
     last_error text
 )
@@ -1455,4 +1466,5 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (5, 'transitions', 'f489e60b924dc10782e085e6aa9c20b9d02a2bb29135496a69eab832b365e824'),
     (6, 'outbox_quarantine', '3274f70940b8715bc4336dc2b6ae9d310d6feb25cc35abf201641b4d3eb90b1e'),
     (7, 'inbox_per_scope', 'cb7e0cebf4787417bbd6803f9c158948bd0720531eed8655abce8b8b5f6bf89e'),
-    (8, 'retention', 'fec842023816254a78af5ea6e9ad8ae6b1690d9a7fa00b8993a8e22fbcb2f79e');
+    (8, 'retention', 'fec842023816254a78af5ea6e9ad8ae6b1690d9a7fa00b8993a8e22fbcb2f79e'),
+    (9, 'outbox_hold', 'afbffbae318298ff2d211eb5e108dc1abe590dc9c98ca5e56a935b31f69b2b6c');

@@ -248,6 +248,8 @@ def claim_arguments(
         "decision_reason": decision.reason if decision is not None else None,
         **(event.arguments() if event is not None else NO_EVENT),
         "rows": rows,
+        # Set by a writer that publishes the claim's event from memory (store/commands.py).
+        "outbox_hold": None,
     }
 
 

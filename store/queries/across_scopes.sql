@@ -50,6 +50,14 @@ UPDATE outbox
    SET sent_at = now()
  WHERE id = ANY($1::bigint[]) AND sent_at IS NULL;
 
+-- mark_handed_outbox_sent --
+-- Rows whose writer published them from memory (handed over, migration 0009) and got the publisher confirm:
+-- marked sent by the database clock, their hold cleared. A row a relay published meanwhile (its hold passed)
+-- is sent already and stays as it is. $1 message ids (uuid[])
+UPDATE outbox
+   SET sent_at = now(), next_attempt_at = NULL
+ WHERE message_id = ANY($1::uuid[]) AND sent_at IS NULL;
+
 -- refuse_outbox --
 -- Rows the broker refused, in the transaction that claimed them: one more attempt each, with the broker's
 -- reason. A row refused $3 times is quarantined: no claim takes it until an operator retries it. Any other

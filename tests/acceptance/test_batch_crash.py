@@ -1,6 +1,8 @@
 """A worker SIGKILLed after a BATCH of commands committed together and before any of them was acknowledged
 (group commit, consumers/batching.py): every command of the batch is delivered again, each redelivery is a
-duplicate, and a survivor finishes every run with its non-retry-safe charge made exactly once."""
+duplicate, and a survivor finishes every run with its non-retry-safe charge made exactly once. The dead
+worker never published the run.resumed events it would have handed over from memory: the relays publish
+their held rows once the hold ends, under the rows' own message_ids."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from intermission.fleet.settings import Settings
 from intermission.fleet.worker import running_worker
 from intermission.publishers.clients import HostClient, version_of
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
@@ -49,7 +52,11 @@ async def test_a_worker_killed_between_a_batch_commit_and_its_acks_loses_nothing
     commands = [start(scope) for _ in range(RUNS)]
     run_ids = [c.run_id for c in commands]
     notices: dict[str, Notice] = {}
-    async with running_worker(settings, executor=default_executor(), stores=stores), host.subscribe(scope) as events:
+    subscription = f"test-batch-crash-{uuid.uuid4().hex[:8]}"
+    async with (
+        running_worker(settings, executor=default_executor(), stores=stores),
+        host.subscribe(scope, durable_queue=subscription) as events,
+    ):
         for cmd in commands:
             await host.start(cmd)
         async with asyncio.timeout(WAIT):
@@ -101,6 +108,25 @@ async def test_a_worker_killed_between_a_batch_commit_and_its_acks_loses_nothing
 
         await eventually(all_completed, within=WAIT, what="every run completed by the survivor")
         await survivor.drain()
+        # Every run.resumed reached subscribers, each under its row's message_id: the dead worker's held rows
+        # through the survivor's relay once their hold ended.
+        resumed_key = f"run.resumed.{scope.app}.{scope.tenant}"
+        async with stores.db.connection() as con:
+            rows = await con.raw.fetch(
+                "SELECT run_id, message_id::text AS message_id FROM outbox WHERE run_id = ANY($1) AND routing_key = $2",
+                run_ids,
+                resumed_key,
+            )
+        expected = {r["message_id"]: r["run_id"] for r in rows}
+        heard: dict[str, str] = {}
+        async with host.subscribe(scope, durable_queue=subscription) as events, asyncio.timeout(WAIT):
+            async for received in events:
+                event = received.event
+                if isinstance(event, RunEvent) and event.kind is RunEventKind.RESUMED and received.message_id:
+                    heard[received.message_id] = event.run_id
+                    if heard.keys() >= expected.keys():
+                        break
+        assert heard == expected
 
     async with stores.db.connection() as con:
         per_message = await con.raw.fetch(

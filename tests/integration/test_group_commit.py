@@ -293,6 +293,7 @@ async def test_answer_all_decides_each_command_on_its_own_in_one_statement(
         )
         third_run = await con.raw.fetchrow("SELECT state, revision FROM runs WHERE id = $1", third.run_id)
     assert [r["message_id"] for r in recorded] == ["m-first", "m-second"]
+    assert third_run is not None
     assert third_run["state"] == "paused"
     assert third_run["revision"] == third.run_revision
 

@@ -121,6 +121,8 @@ async def test_external_tool_end_to_end(stores: Stores, scope: Scope, worker: Wo
     assert completed.event.output == "done"
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.output) == (RunState.COMPLETED, "done")
+    # The run.resumed event was published from memory; its row is marked sent once its confirm is in.
+    await worker.drain()
     async with stores.db.connection() as con:
         recorded = await con.raw.fetch("SELECT message_id FROM inbox WHERE run_id = $1 ORDER BY recorded_at", run.id)
         assert [r["message_id"] for r in recorded] == [start_id, resume_id]
