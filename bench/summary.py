@@ -299,6 +299,20 @@ def _cell(s: Mapping[str, Any], digits: int = 1, *, ranged: bool = False) -> str
     return text
 
 
+QUIET_SHARE = 0.1
+
+
+def noisy(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The systems during whose measurement the machine was not quiet: busy time nobody accounts for
+    ("other") above a tenth of the system's own CPU (medians)."""
+    found: list[str] = []
+    for system, s in summary.items():
+        other, total = s.get("other_ms", {}).get("median"), s.get("total_ms", {}).get("median")
+        if other is not None and total and other > QUIET_SHARE * total:
+            found.append(system)
+    return found
+
+
 def table(
     summary: Mapping[str, Mapping[str, Any]],
     labels: Mapping[str, str],
@@ -359,6 +373,13 @@ def table(
     lines.append(
         "total = app + pg + mq; driver: the benchmark's host side; other: machine busy time nobody accounts for."
     )
+    loud = noisy(summary)
+    if loud:
+        lines.append(
+            "warning: the machine was not quiet (other > 10 % of total) while measuring "
+            + ", ".join(labels.get(system, system) for system in loud)
+            + ": those figures are for development, not for the record"
+        )
     for failure in failures:
         lines.append(f"  failed: {failure}")
     lines.append("")

@@ -289,3 +289,12 @@ def test_the_systems_follow_the_order_of_a_repetition() -> None:
     assert labels[LANGGRAPH] == "LangGraph 1.2.24 + PostgresSaver (no claim)"
     assert labels[DBOS] == "DBOS 3.4.0 send/recv"
     assert labels[ONE] == "Intermission, 1 worker + sweeper"
+
+
+def test_a_measurement_with_much_unaccounted_cpu_is_called_not_quiet() -> None:
+    quiet = Figures(100.0, 1.0, 2.0, app_ms=2.0, postgres_ms=1.0, rabbitmq_ms=1.0, other_ms=0.3)
+    loud = Figures(100.0, 1.0, 2.0, app_ms=2.0, postgres_ms=1.0, rabbitmq_ms=1.0, other_ms=0.5)
+    s = summary.summarise([{ONE: quiet, TWO: loud}], [ONE, TWO])
+    assert summary.noisy(s) == [TWO]
+    printed = summary.table(s, {ONE: "one", TWO: "two"}, summary.ratios([]), [])
+    assert "warning: the machine was not quiet (other > 10 % of total) while measuring two:" in printed
