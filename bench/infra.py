@@ -92,6 +92,56 @@ def pids_named(comm: str) -> list[int]:
     return found
 
 
+# The server's shared processes, by their titles: what a database's share of PostgreSQL includes beside its
+# own backends (bench/peers/common.py counts the peers' the same way).
+PG_SHARED = (
+    "checkpointer",
+    "background writer",
+    "walwriter",
+    "autovacuum",
+    "logical replication",
+    "stats collector",
+    "archiver",
+    "walsender",
+    "walreceiver",
+)
+
+
+def _parent_pid(pid: int) -> int | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return int(raw[raw.rindex(")") + 2 :].split()[1])
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+
+
+def postgres_pids(database: str | None = None) -> list[int]:
+    """Every ``postgres`` process; with ``database``, only that database's backends (their title names it)
+    and the server's shared processes: the postmaster, the WAL writer, the checkpointer, autovacuum and the
+    like. Another tenant's backends on the same server are then not counted."""
+    every = pids_named("postgres")
+    if database is None:
+        return every
+    found: list[int] = []
+    for pid in every:
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        parent = _parent_pid(pid)
+        postmaster = parent is not None and _comm(parent) != "postgres"
+        if f" {database} " in title or postmaster or any(name in title for name in PG_SHARED):
+            found.append(pid)
+    return found
+
+
 def status_kib(pid: int, key: str) -> int | None:
     """A ``kB`` line of ``/proc/<pid>/status`` (VmHWM: peak resident memory; VmRSS: current)."""
     try:
@@ -128,11 +178,14 @@ class CpuProbe:
 
     python: list[int]
     driver: list[int] = field(default_factory=lambda: [os.getpid()])
+    # With a database, PostgreSQL is that database's backends and the server's shared processes only
+    # (postgres_pids): what another tenant of the server does is then ``other``.
+    database: str | None = None
 
     def read(self) -> CpuReading:
         groups: dict[str, Iterable[int]] = {
             "python": self.python,
-            "postgres": pids_named("postgres"),
+            "postgres": postgres_pids(self.database),
             "rabbitmq": pids_named("beam.smp"),
             "driver": self.driver,
         }
@@ -204,6 +257,18 @@ def machine() -> dict[str, Any]:
     }
 
 
+async def postgres_server_version(dsn: str) -> str:
+    """The server's ``server_version`` (``psql --version`` in :func:`machine` is the client's)."""
+    try:
+        con = await asyncpg.connect(dsn)
+    except (OSError, asyncpg.PostgresError) as exc:
+        return f"unknown ({exc})"
+    try:
+        return str(await con.fetchval("SHOW server_version"))
+    finally:
+        await con.close()
+
+
 def write_results(kind: str, data: dict[str, Any], out: Path | None = None) -> Path:
     """Write ``data`` as JSON to ``out`` or to bench/results/<kind>-<UTC time>.json; returns the path."""
     if out is None:
@@ -219,6 +284,10 @@ def write_results(kind: str, data: dict[str, Any], out: Path | None = None) -> P
 
 def with_database(dsn: str, name: str) -> str:
     return urlunsplit(urlsplit(dsn)._replace(path=f"/{name}"))
+
+
+def database_of(dsn: str) -> str:
+    return urlsplit(dsn).path.lstrip("/")
 
 
 def fresh_name(label: str) -> str:

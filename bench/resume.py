@@ -1,40 +1,59 @@
-"""The resume benchmark: Intermission against this machine's limit, in ONE run.
+"""The resume benchmark: Intermission beside its peers and this machine's limit, in ONE run.
 
-    python -m bench.resume [--runs N] [--quick] [--workers 1,2] [--prefetch P] [--window W]
-                           [--unloaded-samples S] [--database-url DSN] [--amqp-url URL]
-                           [--rabbitmqctl CMD] [--bare-shape cte|transaction] [--out FILE]
+    python -m bench.resume [--runs N] [--reps R] [--peers dbos,langgraph | --no-peers] [--quick]
+                           [--workers 1,2] [--prefetch P] [--window W] [--unloaded-samples S]
+                           [--database-url DSN] [--amqp-url URL] [--rabbitmqctl CMD]
+                           [--bare-shape cte|transaction] [--peers-venv DIR] [--out FILE]
 
-What it measures, each phase in a fresh database and a fresh RabbitMQ virtual host of its own (created
-here, removed at the end, so nothing else on the servers is touched):
+Each REPETITION measures, in turn, every system once, each Intermission phase and the bare pipeline in a
+fresh database and a fresh RabbitMQ virtual host of its own (created here, removed at the end of the
+repetition, so nothing else on the servers is touched), each peer in a database of its own:
 
 1. the LIMIT (``bench/bare.py``): one Python process that consumes a message from its own quorum queue,
    runs one claim-shaped transaction on its own small table (an ``UPDATE … RETURNING`` plus a 4 KB
    snapshot write), publishes one event with a publisher confirm and acknowledges; messages/s.
-2. INTERMISSION, with 1 and with 2 worker processes (``python -m intermission.ops.cli worker``): N runs of the demo
-   agent are started THROUGH THE PRODUCT (``run.start`` commands sent by a ``HostClient``) and each pauses
-   on ``lookup``; once every Notice has arrived, N ``run.resume`` commands are published. Resumes/s is N
-   over the time from the first publish to the last ``run.completed`` event; latency is per run, from its
-   publish to its ``run.completed``.
-3. UNLOADED latency: one worker, one resume at a time (publish, wait for ``run.completed``, next).
+2. INTERMISSION, with 1 and with 2 worker processes (``python -m intermission.ops.cli worker``) and one
+   sweeper (``… sweeper``) beside them, as in production (product defaults: its pauses expire after a
+   day, so it finds nothing to expire and does not touch the runs; its CPU counts with the workers'): N
+   runs of the demo agent are started THROUGH THE PRODUCT (``run.start`` commands sent by a
+   ``HostClient``) and each pauses on ``lookup``; once every Notice has arrived, N ``run.resume``
+   commands are published. Resumes/s is N over the time from the first publish to the last
+   ``run.completed`` event; latency is per run, from its publish to its ``run.completed``.
+3. LANGGRAPH (``bench/peers/bench_langgraph.py one --n N --lock semaphore``) and DBOS
+   (``bench/peers/bench_dbos.py one --n N --sender proc``): the same workload on the peers, on the same
+   PostgreSQL, each a subprocess of the peers' own venv (``bench.peer_runs``: ``bench/.peers-venv``, made
+   on first use, never the project's venv), read from the JSON line it prints last. A peer that fails is
+   reported with the tail of its stderr, and the benchmark goes on.
+4. UNLOADED latency: one worker and the sweeper, one resume at a time (publish, wait for
+   ``run.completed``, next).
 
-Both (1) and (2) keep the same number of commands in flight (``--window``, default four times the
+Phases (1) and (2) keep the same number of commands in flight (``--window``, default four times the
 prefetch per consumer process) with the same prefetch and the same message size, and are driven by this
 process, which publishes with confirms and listens for the events (its CPU is reported apart, as
 ``driver``).
 
 CPU per resume is read from ``/proc/<pid>/stat`` before and after the measured phase, split between the
-Python processes (the workers, or the bare pipeline), PostgreSQL (every ``postgres`` process) and RabbitMQ
-(``beam.smp``); ``other`` is busy time none of them accounts for, which should be near zero: the machine
-is shared, and a fault-injection soak (``bench.soak``) running at the same time makes every figure
-meaningless. The benchmark says so when it sees one. Peak memory of a worker is ``VmHWM`` from
-``/proc/<pid>/status``.
+Python processes (the workers and the sweeper, or the bare pipeline), PostgreSQL (the phase's database's
+backends and the server's shared processes: WAL writer, checkpointer, postmaster, …; the peers count
+theirs the same way) and RabbitMQ (``beam.smp``: the peers have none); ``other`` is busy time none of them
+accounts for, which should be near zero: the machine must be quiet, and a fault-injection soak
+(``bench.soak``) running at the same time makes every figure meaningless. The benchmark says so when it
+sees one. Peak memory of a worker is ``VmHWM`` from ``/proc/<pid>/status``.
 
-It prints a table with the targets of issue 7 (met / not met) and writes every figure as JSON to
-``bench/results/resume-<UTC time>.json`` (or ``--out``), printing the path.
+It prints, per system, the median resumes/s over the repetitions with the min and max, p50/p99, CPU per
+resume, then the ratios (each taken within one repetition, then summarised the same way) and issue 17's
+targets (met / NOT met / not measured), and writes every figure as JSON, each repetition's raw figures
+and the machine's facts included, to ``bench/results/resume-<UTC time>.json`` (or ``--out``), printing
+the path. ``docs/benchmarks.md`` says how to read it.
 
 Options:
-  --runs N              runs per Intermission measurement (default 2000; the limit uses 2 N messages)
-  --quick               a tiny run for smoke tests (40 runs, 10 unloaded samples); its figures mean nothing
+  --runs N              runs per measurement (default 1000; the limit uses 2 N messages)
+  --reps R              repetitions (default 3; 1 with --quick)
+  --peers LIST          the peers to run, of "langgraph,dbos" (default both; none with --quick unless given)
+  --no-peers            run no peer
+  --peers-venv DIR      the peers' venv (default INTERMISSION_BENCH_PEERS_VENV or bench/.peers-venv)
+  --quick               a tiny run for smoke tests (40 runs, 10 unloaded samples, 1 repetition, no peers):
+                        its figures mean nothing
   --workers LIST        worker process counts to measure (default "1,2")
   --prefetch P          consumer prefetch, for the workers and the bare pipeline (default: the settings'
                         default, 16)
@@ -81,25 +100,32 @@ import aio_pika
 import asyncpg
 from aio_pika.abc import AbstractIncomingMessage
 
-from bench import bare
+from bench import bare, summary
 from bench.infra import (
+    CLK_TCK,
     DEFAULT_AMQP_URL,
     DEFAULT_DATABASE_URL,
     ROOT,
     CpuProbe,
+    CpuReading,
     RabbitAdmin,
+    database_of,
     drop_database,
     fresh_database,
+    fresh_name,
     machine,
     per_item,
+    postgres_server_version,
     soak_processes,
     status_kib,
     stop_process,
     summary_ms,
     url_user,
     vhost_url,
+    with_database,
     write_results,
 )
+from bench.peer_runs import DEFAULT_VENV, PEERS, VenvError, ensure_venv, failed, run_peer, venv_python
 from intermission.fleet.settings import Settings
 from intermission.publishers.amqp import ConfirmingPublisher, connect
 from intermission.publishers.clients import ALL_KINDS, HostClient, Subscription, host_bindings, version_of
@@ -114,12 +140,9 @@ from intermission.wire import message as json_message
 SCOPE = Scope(app="bench", tenant="resume")
 WARMUP = 5
 MB = 1024 * 1024
-
-# Issue 7's targets.
-TARGET_RATIO = 0.5
-TARGET_UNLOADED_P50_MS = 10.0
-TARGET_UNLOADED_P99_MS = 30.0
-TARGET_WORKER_MIB = 200.0
+# The peers, in the order a repetition runs them.
+PEER_ORDER = (summary.LANGGRAPH, summary.DBOS)
+WARNING_LEVELS = {"WARNING", "ERROR", "CRITICAL"}
 
 
 @dataclass(frozen=True)
@@ -137,6 +160,12 @@ class Options:
     out: Path | None
     profile: Path | None = None
     worker_cwd: Path | None = None
+    reps: int = 1
+    # The peers to run in each repetition (of PEER_ORDER), and their venv.
+    peers: tuple[str, ...] = ()
+    peers_venv: Path = DEFAULT_VENV
+    # One sweeper process beside the workers of each Intermission measurement, as in production.
+    sweeper: bool = True
 
 
 def run_script(i: int) -> list[ScriptTurn]:
@@ -208,36 +237,81 @@ def host_events(host: HostClient, prefetch: int = 64) -> Subscription[Notice | R
     return Subscription(host.connection, keys, decode, prefetch=prefetch)
 
 
+def logged_problems(logs: list[IO[bytes]]) -> dict[str, int]:
+    """How many warnings and errors ``logs`` hold, by their ``action`` (and lines that are not JSON, as
+    ``unparsed``): a clean run has none."""
+    found: Counter[str] = Counter()
+    for log in logs:
+        log.flush()
+        for line in Path(log.name).read_text(errors="replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                found["unparsed"] += 1
+                continue
+            if not isinstance(record, dict):
+                found["?"] += 1
+            elif str(record.get("level", "WARNING")) in WARNING_LEVELS:
+                found[str(record.get("action", "?"))] += 1
+    return dict(found)
+
+
+def logged_action(log: IO[bytes], action: str) -> bool:
+    log.flush()
+    for line in Path(log.name).read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("action") == action:
+                return True
+    return False
+
+
 @dataclass
 class Workers:
+    """The worker processes of a measurement, and the sweeper beside them (when there is one)."""
+
     procs: list[asyncio.subprocess.Process]
     logs: list[IO[bytes]]
+    sweeper: asyncio.subprocess.Process | None = None
+    sweeper_log: IO[bytes] | None = None
 
     @property
     def pids(self) -> list[int]:
+        """The workers' (not the sweeper's)."""
         return [p.pid for p in self.procs]
+
+    @property
+    def app_pids(self) -> list[int]:
+        """Every process of the product: the workers and the sweeper."""
+        return self.pids + ([self.sweeper.pid] if self.sweeper is not None else [])
 
     def check_alive(self) -> None:
         for proc, log in zip(self.procs, self.logs, strict=True):
             if proc.returncode is not None:
                 raise RuntimeError(f"worker {proc.pid} exited {proc.returncode}: {tail(log)}")
+        if self.sweeper is not None and self.sweeper.returncode is not None:
+            assert self.sweeper_log is not None
+            raise RuntimeError(f"the sweeper exited {self.sweeper.returncode}: {tail(self.sweeper_log)}")
 
     def warnings(self) -> dict[str, int]:
         """How many warnings and errors the workers logged, by their ``action`` (the workers log nothing
         below WARNING here, so a clean run has none)."""
-        found: Counter[str] = Counter()
-        for log in self.logs:
-            log.flush()
-            for line in Path(log.name).read_text(errors="replace").splitlines():
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    found["unparsed"] += 1
-                    continue
-                found[str(record.get("action", "?")) if isinstance(record, dict) else "?"] += 1
-        return dict(found)
+        return logged_problems(self.logs)
+
+    def sweeper_warnings(self) -> dict[str, int]:
+        return logged_problems([self.sweeper_log]) if self.sweeper_log is not None else {}
+
+    async def sweeping(self) -> None:
+        """Once the sweeper has said it started (its imports and connections are done before anything
+        is measured)."""
+        if self.sweeper_log is None:
+            return
+        async with asyncio.timeout(60):
+            while not logged_action(self.sweeper_log, "sweeper_started"):
+                self.check_alive()
+                await asyncio.sleep(0.1)
 
 
 def tail(log: IO[bytes], lines: int = 20) -> str:
@@ -257,6 +331,8 @@ async def workers_running(count: int, dsn: str, url: str, opts: Options) -> Asyn
     }
     procs: list[asyncio.subprocess.Process] = []
     logs: list[IO[bytes]] = []
+    sweeper: asyncio.subprocess.Process | None = None
+    sweeper_log: IO[bytes] | None = None
     try:
         for _ in range(count):
             log = tempfile.NamedTemporaryFile(prefix="bench-worker-", suffix=".log")  # noqa: SIM115 - closed below
@@ -273,10 +349,23 @@ async def workers_running(count: int, dsn: str, url: str, opts: Options) -> Asyn
                     stderr=log,
                 )
             )
-        yield Workers(procs, logs)
+        if opts.sweeper:
+            # As in production: the product's defaults (its log at INFO, which says when it started).
+            sweeper_log = tempfile.NamedTemporaryFile(prefix="bench-sweeper-", suffix=".log")  # noqa: SIM115 - closed below
+            sweeper = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "intermission.ops.cli",
+                "sweeper",
+                cwd=opts.worker_cwd or ROOT,
+                env={**env, "INTERMISSION_LOG_LEVEL": "INFO"},
+                stdout=sweeper_log,
+                stderr=sweeper_log,
+            )
+        yield Workers(procs, logs, sweeper, sweeper_log)
     finally:
-        await asyncio.gather(*(stop_process(p) for p in procs))
-        for opened in logs:
+        await asyncio.gather(*(stop_process(p) for p in [*procs, *([sweeper] if sweeper else [])]))
+        for opened in [*logs, *([sweeper_log] if sweeper_log else [])]:
             opened.close()
 
 
@@ -456,6 +545,11 @@ async def windowed(
     return published, first
 
 
+def process_ms(before: CpuReading, after: CpuReading, pid: int, group: str = "python") -> float:
+    """CPU milliseconds one process of ``group`` used between two readings."""
+    return (after.groups[group].get(pid, 0) - before.groups[group].get(pid, 0)) * 1000 / CLK_TCK
+
+
 def latency_figures(
     published: dict[str, float], done: dict[str, asyncio.Future[float]], first: float
 ) -> dict[str, Any]:
@@ -487,12 +581,13 @@ async def measure_intermission(opts: Options, admin: RabbitAdmin, vhost: str, wo
                 started = time.perf_counter()
                 notices = await pause_runs(host, tracker, running, run_ids)
                 paused_s = time.perf_counter() - started
+                await running.sweeping()
                 commands = {n.run_id: answer_for(n) for n in notices}
                 body_bytes = sum(len(c.model_dump_json()) for c in commands.values()) / len(commands)
                 # Let the relay commit its last batch and the workers settle (and report their database
                 # counters) before the readings.
                 await asyncio.sleep(1.5)
-                probe = CpuProbe(running.pids)
+                probe = CpuProbe(running.app_pids, database=database_of(dsn))
                 async with profiling(opts.profile, f"w{workers}", running.pids):
                     before, statements_before = probe.read(), await database_counters(dsn)
                     published, first = await windowed(
@@ -511,11 +606,15 @@ async def measure_intermission(opts: Options, admin: RabbitAdmin, vhost: str, wo
                 with contextlib.suppress(asyncio.CancelledError):
                     await pumping
             peak = [status_kib(pid, "VmHWM") or 0 for pid in running.pids]
+            sweeper_peak = status_kib(running.sweeper.pid, "VmHWM") if running.sweeper is not None else None
             figures = latency_figures(published, tracker.completed, first)
             used = CpuProbe.used_ms(before, after)
+            sweeper_ms = process_ms(before, after, running.sweeper.pid) if running.sweeper is not None else None
             warnings = running.warnings()
+            sweeper_warnings = running.sweeper_warnings()
         return {
             "workers": workers,
+            "sweeper": running.sweeper is not None,
             **figures,
             "message_bytes": round(body_bytes, 1),
             "window": opts.window * workers,
@@ -528,6 +627,10 @@ async def measure_intermission(opts: Options, admin: RabbitAdmin, vhost: str, wo
             },
             "peak_rss_mib": [round(kib / 1024, 1) for kib in peak],
             "worker_warnings": warnings,
+            # The sweeper's share of cpu_ms_per_resume["python"], its memory and its log's warnings.
+            "sweeper_cpu_ms_per_resume": round(sweeper_ms / figures["count"], 4) if sweeper_ms is not None else None,
+            "sweeper_peak_rss_mib": round(sweeper_peak / 1024, 1) if sweeper_peak else None,
+            "sweeper_warnings": sweeper_warnings,
         }
     finally:
         await drop_database(dsn)
@@ -549,6 +652,7 @@ async def measure_unloaded(opts: Options, admin: RabbitAdmin, vhost: str) -> dic
                 total = WARMUP + opts.unloaded_samples
                 run_ids = [f"bench-unloaded-{i:04d}" for i in range(total)]
                 notices = await pause_runs(host, tracker, running, run_ids)
+                await running.sweeping()
                 await asyncio.sleep(1.0)
                 latencies: list[float] = []
                 for i, notice in enumerate(notices):
@@ -566,7 +670,15 @@ async def measure_unloaded(opts: Options, admin: RabbitAdmin, vhost: str) -> dic
                 with contextlib.suppress(asyncio.CancelledError):
                     await pumping
             peak = [status_kib(pid, "VmHWM") or 0 for pid in running.pids]
-        return {"latency_ms": summary_ms(latencies), "peak_rss_mib": [round(k / 1024, 1) for k in peak]}
+            warnings = running.warnings()
+            sweeper_warnings = running.sweeper_warnings()
+        return {
+            "latency_ms": summary_ms(latencies),
+            "peak_rss_mib": [round(k / 1024, 1) for k in peak],
+            "sweeper": running.sweeper is not None,
+            "worker_warnings": warnings,
+            "sweeper_warnings": sweeper_warnings,
+        }
     finally:
         await drop_database(dsn)
 
@@ -645,7 +757,7 @@ async def measure_limit(opts: Options, admin: RabbitAdmin, vhost: str, count: in
             await windowed(warm, opts.window, send, done, alive)
             await asyncio.sleep(0.5)
             measured = ids[opts.window :]
-            probe = CpuProbe([proc.pid])
+            probe = CpuProbe([proc.pid], database=database_of(dsn))
             before = probe.read()
             published, first = await windowed(measured, opts.window, send, done, alive)
             after = probe.read()
@@ -672,109 +784,139 @@ async def measure_limit(opts: Options, admin: RabbitAdmin, vhost: str, count: in
         await drop_database(dsn)
 
 
+# --- the peers ------------------------------------------------------------------------------------------
+
+
+def peer_limit_s(runs: int) -> float:
+    """How long one peer run may take before it counts as failed: generous, for a slow shared machine
+    (DBOS parks and resumes at well under 100 runs/s here, and both peers settle 11 s before measuring)."""
+    return 600.0 + 0.5 * runs
+
+
+async def measure_peer(opts: Options, name: str, python: Path) -> dict[str, Any]:
+    """One run of a peer in a database of its own (the script creates it; it is dropped here whatever
+    happened); the outcome of ``bench.peer_runs.run_peer``."""
+    database = fresh_name(f"peer_{name}")
+    try:
+        return await run_peer(PEERS[name], python, opts.runs, opts.database_url, database, peer_limit_s(opts.runs))
+    finally:
+        await drop_database(with_database(opts.database_url, database))
+
+
+async def peers_python(opts: Options, facts: dict[str, Any]) -> tuple[Path | None, str | None]:
+    """The peers' venv's python, made or reused (``bench.peer_runs.ensure_venv``), with its packages'
+    versions added to ``facts``; or why there is none (every peer then fails with that reason)."""
+    if not opts.peers:
+        return None, None
+    try:
+        found = await ensure_venv(opts.peers_venv, lambda line: print(line, flush=True))
+    except (VenvError, OSError, RuntimeError, ValueError) as exc:
+        print(f"warning: the peers' venv could not be made; the peers are reported as failed: {exc}", flush=True)
+        return None, f"the peers' venv could not be made: {exc}"
+    facts["peers_venv"] = str(opts.peers_venv)
+    facts["peer_packages"] = found
+    facts["dbos"] = found.get("dbos")
+    facts["langgraph"] = found.get("langgraph")
+    return venv_python(opts.peers_venv), None
+
+
 # --- the run --------------------------------------------------------------------------------------------
 
 
-def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    found: list[dict[str, Any]] = []
-    limit = results["limit"]["per_second"]
-    one = results["intermission"].get("1")
-    if one is not None:
-        ratio = one["per_second"] / limit
-        found.append(
-            {
-                "target": "resumes/s with one worker >= 50 % of the bare pipeline",
-                "value": f"{ratio:.0%} ({one['per_second']:.0f} of {limit:.0f}/s)",
-                "met": ratio >= TARGET_RATIO,
-            }
-        )
-    unloaded = results["unloaded"]["latency_ms"]
-    found.append(
-        {
-            "target": "unloaded latency p50 <= 10 ms",
-            "value": f"{unloaded['p50']:.1f} ms",
-            "met": unloaded["p50"] <= TARGET_UNLOADED_P50_MS,
-        }
-    )
-    found.append(
-        {
-            "target": "unloaded latency p99 <= 30 ms",
-            "value": f"{unloaded['p99']:.1f} ms",
-            "met": unloaded["p99"] <= TARGET_UNLOADED_P99_MS,
-        }
-    )
-    peaks = [p for m in results["intermission"].values() for p in m["peak_rss_mib"]]
-    peaks += results["unloaded"]["peak_rss_mib"]
-    found.append(
-        {
-            "target": "a worker's memory < 200 MB",
-            "value": f"{max(peaks):.0f} MiB peak (VmHWM)",
-            "met": max(peaks) < TARGET_WORKER_MIB,
-        }
-    )
-    return found
-
-
-def table(results: dict[str, Any]) -> str:
-    limit = results["limit"]
-    rows = [("", "per s", "p50 ms", "p99 ms", "vs limit", "py ms", "pg ms", "mq ms", "driver ms", "peak MiB")]
-    lc = limit["cpu_ms_per_message"]
-    rows.append(
-        (
-            "limit (bare pipeline)",
-            f"{limit['per_second']:.0f}",
-            f"{limit['latency_ms']['p50']:.1f}",
-            f"{limit['latency_ms']['p99']:.1f}",
-            "100%",
-            f"{lc['python']:.2f}",
-            f"{lc['postgres']:.2f}",
-            f"{lc['rabbitmq']:.2f}",
-            f"{lc['driver']:.2f}",
-            f"{limit['peak_rss_mib']:.0f}",
-        )
-    )
-    for count, m in results["intermission"].items():
-        c = m["cpu_ms_per_resume"]
-        rows.append(
-            (
-                f"intermission, {count} worker{'s' if count != '1' else ''}",
-                f"{m['per_second']:.0f}",
-                f"{m['latency_ms']['p50']:.1f}",
-                f"{m['latency_ms']['p99']:.1f}",
-                f"{m['per_second'] / limit['per_second']:.0%}",
-                f"{c['python']:.2f}",
-                f"{c['postgres']:.2f}",
-                f"{c['rabbitmq']:.2f}",
-                f"{c['driver']:.2f}",
-                f"{max(m['peak_rss_mib']):.0f}",
-            )
-        )
-    u = results["unloaded"]
-    rows.append(
-        (
-            "intermission, unloaded",
-            "-",
-            f"{u['latency_ms']['p50']:.1f}",
-            f"{u['latency_ms']['p99']:.1f}",
-            "-",
-            "-",
-            "-",
-            "-",
-            "-",
-            f"{max(u['peak_rss_mib']):.0f}",
-        )
-    )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths, strict=True)))
-        for r in rows
+def systems_of(opts: Options) -> list[str]:
+    """The systems a repetition measures, in the order of the table."""
+    return [
+        summary.BARE,
+        *(summary.intermission(n) for n in opts.workers),
+        *(p for p in PEER_ORDER if p in opts.peers),
+        summary.UNLOADED,
     ]
-    lines.insert(1, "-" * len(lines[0]))
-    lines.append("")
-    lines.append("CPU columns are milliseconds per resume (per message for the limit); py = worker processes.")
-    for t in results["targets"]:
-        lines.append(f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']}")
-    return "\n".join(lines)
+
+
+def labels_of(opts: Options, facts: dict[str, Any]) -> dict[str, str]:
+    labels = {summary.BARE: "bare pipeline (per message)"}
+    for n in opts.workers:
+        labels[summary.intermission(n)] = f"Intermission, {n} worker{'s' if n != 1 else ''}" + (
+            " + sweeper" if opts.sweeper else ""
+        )
+    names = {
+        summary.LANGGRAPH: f"LangGraph {facts.get('langgraph') or ''} + PostgresSaver (no claim)",
+        summary.DBOS: f"DBOS {facts.get('dbos') or ''} send/recv",
+    }
+    for peer in PEER_ORDER:
+        if peer in opts.peers:
+            labels[peer] = " ".join(names[peer].split())
+    labels[summary.UNLOADED] = "Intermission, unloaded (one at a time)"
+    return labels
+
+
+def figures_of(raw: dict[str, Any]) -> dict[str, summary.Figures | None]:
+    """One repetition's measurements as one row of figures per system (None: a peer that failed)."""
+    figures: dict[str, summary.Figures | None] = {summary.BARE: summary.of_limit(raw["limit"])}
+    for n, measured in raw["intermission"].items():
+        figures[summary.intermission(int(n))] = summary.of_intermission(measured)
+    for peer, outcome in raw["peers"].items():
+        figures[peer] = summary.of_peer(outcome)
+    figures[summary.UNLOADED] = summary.of_unloaded(raw["unloaded"])
+    return figures
+
+
+def failures_of(reps: list[dict[str, Any]]) -> list[str]:
+    """Each failed peer run, with the tail of its stderr, for the printed table."""
+    lines: list[str] = []
+    for raw in reps:
+        for peer, outcome in raw["peers"].items():
+            if not outcome.get("ok"):
+                stderr = outcome.get("stderr_tail") or "(nothing on stderr)"
+                indented = "\n".join("      " + line for line in stderr.splitlines()[-8:])
+                lines.append(f"{peer} in repetition {raw['repetition']}: {outcome.get('error')}\n{indented}")
+    return lines
+
+
+async def repetition(
+    opts: Options, admin: RabbitAdmin, rep: int, python: Path | None, why: str | None
+) -> dict[str, Any]:
+    """Every system measured once, in turn: the bare pipeline, Intermission with each worker count, each
+    peer, the unloaded latency."""
+    labels = ["bare", *(f"w{n}" for n in opts.workers), "unloaded"]
+    vhosts = dict(zip(labels, await admin.add_vhosts([f"r{rep}-{label}" for label in labels]), strict=True))
+    raw: dict[str, Any] = {"repetition": rep}
+    try:
+        print(f"  the bare pipeline, {2 * opts.runs} messages ...", flush=True)
+        raw["limit"] = await measure_limit(opts, admin, vhosts["bare"], 2 * opts.runs + opts.window)
+        print(f"    {raw['limit']['per_second']:.0f} messages/s", flush=True)
+        raw["intermission"] = {}
+        for n in opts.workers:
+            print(
+                f"  intermission: {n} worker(s) and {'a' if opts.sweeper else 'no'} sweeper, {opts.runs} runs ...",
+                flush=True,
+            )
+            measured = await measure_intermission(opts, admin, vhosts[f"w{n}"], n)
+            raw["intermission"][str(n)] = measured
+            print(f"    {measured['per_second']:.0f} resumes/s", flush=True)
+        raw["peers"] = {}
+        for peer in PEER_ORDER:
+            if peer not in opts.peers:
+                continue
+            print(f"  {peer}: {opts.runs} runs ...", flush=True)
+            if python is None:
+                outcome = failed(peer, why or "no venv", "")
+            else:
+                outcome = await measure_peer(opts, peer, python)
+            raw["peers"][peer] = outcome
+            if outcome["ok"]:
+                print(f"    {outcome['result']['resumes_per_s']:.0f} resumes/s", flush=True)
+            else:
+                print(f"    FAILED: {outcome['error']}\n{outcome['stderr_tail']}", flush=True)
+        print(f"  intermission: unloaded, {opts.unloaded_samples} resumes one at a time ...", flush=True)
+        raw["unloaded"] = await measure_unloaded(opts, admin, vhosts["unloaded"])
+        print(
+            f"    p50 {raw['unloaded']['latency_ms']['p50']:.1f} ms, p99 {raw['unloaded']['latency_ms']['p99']:.1f} ms",
+            flush=True,
+        )
+    finally:
+        await admin.delete_all()
+    return raw
 
 
 async def run(opts: Options) -> dict[str, Any]:
@@ -782,11 +924,16 @@ async def run(opts: Options) -> dict[str, Any]:
     if soak_before:
         print("warning: a soak is running on this machine; these figures are for development only", flush=True)
     admin = RabbitAdmin(opts.rabbitmqctl, url_user(opts.amqp_url))
-    labels = ["bare", *(f"w{n}" for n in opts.workers), "unloaded"]
-    results: dict[str, Any] = {"benchmark": "resume", "machine": machine()}
+    facts = machine()
+    facts["postgres_server"] = await postgres_server_version(opts.database_url)
+    facts["dbos"] = facts["langgraph"] = None
+    results: dict[str, Any] = {"benchmark": "resume", "machine": facts}
     results["options"] = {
         "runs": opts.runs,
+        "reps": opts.reps,
         "workers": opts.workers,
+        "peers": list(opts.peers),
+        "sweeper": opts.sweeper,
         "prefetch": opts.prefetch,
         "window_per_process": opts.window,
         "unloaded_samples": opts.unloaded_samples,
@@ -794,42 +941,55 @@ async def run(opts: Options) -> dict[str, Any]:
         "quick": opts.quick,
         "command": "python -m bench.resume " + shlex.join(sys.argv[1:]),
     }
-    vhosts = dict(zip(labels, await admin.add_vhosts(labels), strict=True))
-    try:
-        print(f"limit: the bare pipeline, {2 * opts.runs} messages ...", flush=True)
-        results["limit"] = await measure_limit(opts, admin, vhosts["bare"], 2 * opts.runs + opts.window)
-        print(f"  {results['limit']['per_second']:.0f} messages/s", flush=True)
-        results["intermission"] = {}
-        for n in opts.workers:
-            print(f"intermission: {n} worker(s), {opts.runs} runs ...", flush=True)
-            measured = await measure_intermission(opts, admin, vhosts[f"w{n}"], n)
-            results["intermission"][str(n)] = measured
-            print(f"  {measured['per_second']:.0f} resumes/s", flush=True)
-        print(f"intermission: unloaded, {opts.unloaded_samples} resumes one at a time ...", flush=True)
-        results["unloaded"] = await measure_unloaded(opts, admin, vhosts["unloaded"])
-    finally:
-        await admin.delete_all()
-    limit = results["limit"]["per_second"]
-    results["ratios"] = {
-        f"{n}_workers_to_limit": round(m["per_second"] / limit, 4) for n, m in results["intermission"].items()
-    }
-    if "1" in results["intermission"] and "2" in results["intermission"]:
-        results["ratios"]["2_workers_to_1"] = round(
-            results["intermission"]["2"]["per_second"] / results["intermission"]["1"]["per_second"], 4
-        )
-    results["targets"] = targets(results)
+    python, why = await peers_python(opts, facts)
+    reps: list[dict[str, Any]] = []
+    for rep in range(1, opts.reps + 1):
+        print(f"repetition {rep}/{opts.reps}:", flush=True)
+        raw = await repetition(opts, admin, rep, python, why)
+        raw["figures"] = {system: summary.as_json(f) for system, f in figures_of(raw).items()}
+        reps.append(raw)
+    results["repetitions"] = reps
+    rows = [figures_of(raw) for raw in reps]
+    systems = systems_of(opts)
+    results["labels"] = labels_of(opts, facts)
+    results["summary"] = summary.summarise(rows, systems)
+    results["ratios"] = summary.ratios(rows)
+    results["targets"] = summary.targets(results["summary"], results["ratios"])
+    results["peer_failures"] = failures_of(reps)
     soak_after = soak_processes()
     results["contended"] = bool(soak_before or soak_after)
     results["soak_processes"] = sorted(set(soak_before + soak_after))
     return results
 
 
+def table(results: dict[str, Any]) -> str:
+    return summary.table(
+        results["summary"], results["labels"], results["ratios"], results["targets"], results["peer_failures"]
+    )
+
+
+def peer_list(text: str) -> tuple[str, ...]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(PEER_ORDER))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {', '.join(unknown)}: choose from {', '.join(PEER_ORDER)}")
+    return tuple(p for p in PEER_ORDER if p in names)
+
+
 def parse(argv: list[str] | None = None) -> Options:
     parser = argparse.ArgumentParser(
         prog="python -m bench.resume",
-        description="Intermission's resume rate and latency against this machine's limit (see the module docstring).",
+        description="Intermission's resume rate and latency beside its peers and this machine's limit "
+        "(see the module docstring).",
     )
     parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=None)
+    peers = parser.add_mutually_exclusive_group()
+    peers.add_argument("--peers", type=peer_list, default=None)
+    peers.add_argument("--no-peers", action="store_true")
+    parser.add_argument(
+        "--peers-venv", type=Path, default=Path(os.environ.get("INTERMISSION_BENCH_PEERS_VENV", DEFAULT_VENV))
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--prefetch", type=int, default=Settings.model_fields["prefetch"].default)
@@ -845,7 +1005,17 @@ def parse(argv: list[str] | None = None) -> Options:
     parser.add_argument("--profile", type=Path, default=None)
     parser.add_argument("--worker-cwd", type=Path, default=None)
     args = parser.parse_args(argv)
-    runs = args.runs if args.runs is not None else (40 if args.quick else 2000)
+    runs = args.runs if args.runs is not None else (40 if args.quick else 1000)
+    reps = args.reps if args.reps is not None else (1 if args.quick else 3)
+    if runs < 1 or reps < 1:
+        parser.error("--runs and --reps must be at least 1")
+    if args.no_peers:
+        chosen: tuple[str, ...] = ()
+    elif args.peers is not None:
+        chosen = args.peers
+    else:
+        # A quick run is a smoke test: it never needs the peers' venv unless asked for them.
+        chosen = () if args.quick else PEER_ORDER
     return Options(
         runs=runs,
         workers=[int(w) for w in args.workers.split(",") if w.strip()],
@@ -860,14 +1030,21 @@ def parse(argv: list[str] | None = None) -> Options:
         out=args.out,
         profile=args.profile,
         worker_cwd=args.worker_cwd,
+        reps=reps,
+        peers=chosen,
+        peers_venv=args.peers_venv,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse(argv)
     results = asyncio.run(run(opts))
+    facts = results["machine"]
     print()
-    print(f"Resume benchmark, {results['machine']['date']}, {results['machine']['nproc']} cores")
+    print(
+        f"Resume benchmark, {facts['date']}, {facts['nproc']} cores, PostgreSQL {facts['postgres_server']}, "
+        f"{opts.reps} repetition{'s' if opts.reps != 1 else ''} of {opts.runs} runs"
+    )
     print(table(results))
     if results["contended"]:
         print("warning: a soak ran during this benchmark; its figures are not for the record")

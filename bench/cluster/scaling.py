@@ -27,6 +27,8 @@ async def scaling(
         bare_shape="cte",
         quick=False,
         out=None,
+        # As its figures were taken so far: workers only. bench.resume itself runs a sweeper beside them.
+        sweeper=False,
     )
     admin = RabbitAdmin(ctl, url_user(servers.amqp_url))
     vhosts = dict(zip(workers, await admin.add_vhosts([f"cluster-w{n}" for n in workers]), strict=True))

@@ -34,18 +34,21 @@ def latency(figures: dict[str, Any]) -> None:
     holds(figures, *LATENCY)
 
 
-async def bench(module: str, out: Path, pg_server: str, rabbit: Broker) -> dict[str, Any]:
-    figures, _ = await bench_printed(module, out, pg_server, rabbit)
+async def bench(module: str, out: Path, pg_server: str, rabbit: Broker, *extra: str) -> dict[str, Any]:
+    figures, _ = await bench_printed(module, out, pg_server, rabbit, *extra)
     return figures
 
 
-async def bench_printed(module: str, out: Path, pg_server: str, rabbit: Broker) -> tuple[dict[str, Any], str]:
+async def bench_printed(
+    module: str, out: Path, pg_server: str, rabbit: Broker, *extra: str
+) -> tuple[dict[str, Any], str]:
     """The figures a quick run wrote, and what it printed."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         module,
         "--quick",
+        *extra,
         "--database-url",
         pg_server,
         "--amqp-url",
@@ -68,23 +71,53 @@ async def bench_printed(module: str, out: Path, pg_server: str, rabbit: Broker) 
 
 @pytest.mark.timeout(240)
 async def test_the_resume_benchmark_produces_its_figures(pg_server: str, rabbit: Broker, tmp_path: Path) -> None:
-    figures = await bench("bench.resume", tmp_path / "resume.json", pg_server, rabbit)
+    # Two repetitions, so that the figures are aggregated over more than one; no peers (a quick run never
+    # needs their venv).
+    figures, printed = await bench_printed("bench.resume", tmp_path / "resume.json", pg_server, rabbit, "--reps", "2")
     assert figures["benchmark"] == "resume"
-    holds(figures["machine"], "date", "nproc", "memory_gib", "lscpu")
-    limit = figures["limit"]
-    holds(limit, "per_second", "latency_ms", "cpu_ms_per_message", "peak_rss_mib")
-    latency(limit["latency_ms"])
-    holds(limit["cpu_ms_per_message"], *CPU)
-    assert set(figures["intermission"]) == {"1", "2"}
-    for measured in figures["intermission"].values():
-        holds(measured, "per_second", "latency_ms", "cpu_ms_per_resume", "peak_rss_mib", "database_per_resume")
-        latency(measured["latency_ms"])
-        holds(measured["cpu_ms_per_resume"], *CPU)
-    latency(figures["unloaded"]["latency_ms"])
-    holds(figures["ratios"], "1_workers_to_limit", "2_workers_to_limit", "2_workers_to_1")
-    assert len(figures["targets"]) == 4
+    holds(figures["machine"], "date", "nproc", "memory_gib", "lscpu", "python", "postgres_server", "rabbitmq")
+    holds(figures["machine"], "dbos", "langgraph")
+    assert figures["options"]["reps"] == 2
+    assert figures["options"]["peers"] == []
+    assert "peers' venv" not in printed
+    assert len(figures["repetitions"]) == 2
+    for raw in figures["repetitions"]:
+        limit = raw["limit"]
+        holds(limit, "per_second", "latency_ms", "cpu_ms_per_message", "peak_rss_mib")
+        latency(limit["latency_ms"])
+        holds(limit["cpu_ms_per_message"], *CPU)
+        assert set(raw["intermission"]) == {"1", "2"}
+        for measured in raw["intermission"].values():
+            holds(measured, "per_second", "latency_ms", "cpu_ms_per_resume", "peak_rss_mib", "database_per_resume")
+            holds(measured, "sweeper_cpu_ms_per_resume", "sweeper_peak_rss_mib", "sweeper_warnings")
+            assert measured["sweeper"] is True
+            latency(measured["latency_ms"])
+            holds(measured["cpu_ms_per_resume"], *CPU)
+        latency(raw["unloaded"]["latency_ms"])
+        assert raw["unloaded"]["sweeper"] is True
+        assert raw["peers"] == {}
+        holds(raw["figures"], "bare", "intermission_1w", "intermission_2w", "unloaded")
+    summary = figures["summary"]
+    assert set(summary) == {"bare", "intermission_1w", "intermission_2w", "unloaded"}
+    for system in ("bare", "intermission_1w", "intermission_2w"):
+        assert summary[system]["measured"] == 2
+        holds(summary[system]["per_second"], "median", "min", "max", "n")
+        assert summary[system]["per_second"]["n"] == 2
+    holds(
+        figures["ratios"],
+        "intermission_1w_to_langgraph",
+        "intermission_1w_to_dbos",
+        "intermission_1w_to_bare",
+        "intermission_2w_to_1w",
+    )
+    assert figures["ratios"]["intermission_1w_to_bare"]["n"] == 2
+    assert figures["ratios"]["intermission_1w_to_langgraph"]["n"] == 0
+    assert len(figures["targets"]) == 8
     for target in figures["targets"]:
         holds(target, "target", "value", "met")
+    # The peers' targets are not measured without them; the others are met or not.
+    assert [t["met"] is None for t in figures["targets"]] == [True, True] + [False] * 6
+    assert "targets (issue 17):" in printed
 
 
 @pytest.mark.timeout(240)
