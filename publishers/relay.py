@@ -139,6 +139,7 @@ class OutboxRelay:
         self._max_backoff = max_backoff_seconds
         self._name = name
         self._wake = asyncio.Event()
+        self._batch_lock = asyncio.Lock()
         self._listener: OutboxListener | None = None
         self._serving = asyncio.Event()
         # When the earliest row this relay saw refused is due again (loop time), so that it does not wait
@@ -253,6 +254,12 @@ class OutboxRelay:
         return total
 
     async def _relay_batch(self) -> tuple[int, int]:
+        # One batch at a time per relay: a caller of run_once (a drain) beside serve waits for the batch in
+        # flight to commit, instead of skipping its locked rows and finding the outbox "empty" meanwhile.
+        async with self._batch_lock:
+            return await self._relay_batch_now()
+
+    async def _relay_batch_now(self) -> tuple[int, int]:
         # Wait for the channel BEFORE taking row locks: a transaction must never stay open across a
         # reconnect. The wait is bounded so that a broker that is away surfaces as a retryable error.
         async with asyncio.timeout(self._publish_timeout):

@@ -24,6 +24,7 @@ from intermission.schemas.errors import (
     StoreContention,
     StoreUnavailable,
 )
+from intermission.store.coalesce import Coalesced
 from intermission.store.outbox import OutboxEvent
 from intermission.store.queries import OUTBOX_WRITERS, QUERIES
 
@@ -225,6 +226,9 @@ class Database:
         self.server_settings = dict(server_settings or {})
         self._outbox_listeners: list[Callable[[], None]] = []
         self._hand_over: Callable[[list[OutboxEvent]], None] | None = None
+        # Step saves and run ends that happen at the same moment share a statement (store/coalesce.py).
+        self.progress_saves = Coalesced(self, "save_progress", "save_progresses")
+        self.run_ends = Coalesced(self, "end_run", "end_runs")
         self.outbox_hold_seconds: float | None = None
         # Which server the pool's connections reach (set by ``connect``, which installs the init hook).
         self.tracker: _ServerTracker | None = None

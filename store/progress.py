@@ -25,17 +25,15 @@ class ProgressStore:
         the run while it ran (a cancel), which no snapshot can take back, as its ``ending``."""
         if not p.owner:  # refused before any I/O, like a half lease
             raise RunLeaseLost("an empty owner never holds a lease")
-        async with self.db.connection() as con:
-            row = await con.fetchrow(
-                "save_progress",
-                run_id=p.run_id,
-                app=self.scope.app,
-                tenant=self.scope.tenant,
-                owner=p.owner,
-                **rows.progress_arguments(p),
-                step_count=p.continuation.step_index,
-                tokens_used=p.continuation.tokens_used,
-            )
+        row = await self.db.progress_saves.fetchrow(
+            run_id=p.run_id,
+            app=self.scope.app,
+            tenant=self.scope.tenant,
+            owner=p.owner,
+            **rows.progress_arguments(p),
+            step_count=p.continuation.step_index,
+            tokens_used=p.continuation.tokens_used,
+        )
         if row is None or row["saved_at"] is None:
             raise RunLeaseLost(f"{p.owner} does not hold a live lease on run {p.run_id} at scope {self.scope}")
         asked = None if row["ending"] is None else rows.load_model(Ending, row["ending"], "run ending")

@@ -373,8 +373,7 @@ class RunStore:
             own_messages=own_messages,
             counts=counts,
         )
-        async with self.db.connection() as con:
-            row = await con.fetchrow("end_run", owner=owner, at_revision=None, **named)
+        row = await self.db.run_ends.fetchrow(owner=owner, at_revision=None, **named)
         revision = row["revision"] if row is not None else None
         if revision is None:
             ending = _ending(row["ending"]) if row is not None else None

@@ -64,6 +64,27 @@ SELECT e.revision, e.ending
     p_event_routing_key => $16, p_event_correlation_id => $17, p_event_headers => $18,
     p_step_count => $19, p_tokens_used => $20) AS e;
 
+-- end_runs --
+-- end_run for several runs at once, in ONE statement (store/coalesce.py: runs that reach their end at the same
+-- moment share one round trip and one commit; each run's end is still all-or-nothing, inside it). Each array
+-- is one of end_run's arguments in end_run's order ($1 run_ids ... $20 tokens_used; states as text), one
+-- element per run; the ends run in the arrays' order (the caller sorts them by run). One row per run, as
+-- end_run returns it, with its position n (from 1).
+-- writes: outbox
+SELECT a.n, e.revision, e.ending
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::text[], $8::text[],
+              $9::jsonb[], $10::text[], $11::uuid[], $12::text[], $13::jsonb[], $14::jsonb[], $15::uuid[],
+              $16::text[], $17::text[], $18::jsonb[], $19::int[], $20::bigint[])
+       WITH ORDINALITY AS a(run_id, app, tenant, owner, at_revision, state, output, error, messages,
+                            checkpoint_reason, run_event_id, run_event_kind, run_event_data, event,
+                            event_message_id, event_routing_key, event_correlation_id, event_headers,
+                            step_count, tokens_used, n)
+ CROSS JOIN LATERAL intermission_end_run_v1(
+       a.run_id, a.app, a.tenant, a.owner, a.at_revision, a.state::run_state, a.output, a.error, a.messages,
+       a.checkpoint_reason, a.run_event_id, a.run_event_kind, a.run_event_data, a.event, a.event_message_id,
+       a.event_routing_key, a.event_correlation_id, a.event_headers, a.step_count, a.tokens_used) AS e
+ ORDER BY a.n;
+
 -- list_run_events --
 -- A run's metadata events in order, at the exact scope. $1 run_id, $2 app, $3 tenant
 SELECT event_id, kind, revision, data, created_at
