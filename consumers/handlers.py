@@ -65,12 +65,18 @@ class Route(Generic[C]):
     model: type[C]
     handle: Callable[[CommandHandlers, C, Applying], Awaitable[Claimed | None]]
 
+    def parse(
+        self, handlers: CommandHandlers, command: Command, delivery: Delivery, message_id: str
+    ) -> tuple[C, Applying]:
+        """The body as its strict model, checked against the key's scope, with its receipt and lease."""
+        body = parse_body(self.model, delivery.body)
+        check_key_scope(command, delivery.routing_key, body.scope)
+        return body, Applying(delivery, message_id, Receipt.of(message_id, command.value, body), handlers.hooks.lease())
+
     async def apply(
         self, handlers: CommandHandlers, command: Command, delivery: Delivery, message_id: str
     ) -> Claimed | None:
-        body = parse_body(self.model, delivery.body)
-        check_key_scope(command, delivery.routing_key, body.scope)
-        applying = Applying(delivery, message_id, Receipt.of(message_id, command.value, body), handlers.hooks.lease())
+        body, applying = self.parse(handlers, command, delivery, message_id)
         return await self.handle(handlers, body, applying)
 
 
@@ -91,9 +97,7 @@ class CommandHandlers:
     def prepare(self, command: Command, delivery: Delivery, message_id: str) -> AnswerRequest:
         """A BATCHED command, parsed and checked as ``apply`` would, as the request for ``answer_batch``."""
         route: Route[Any] = ROUTES[command]
-        body = parse_body(route.model, delivery.body)
-        check_key_scope(command, delivery.routing_key, body.scope)
-        a = Applying(delivery, message_id, Receipt.of(message_id, command.value, body), self.hooks.lease())
+        body, a = route.parse(self, command, delivery, message_id)
         commands = self.stores.commands
         if command is Command.RESUME:
             return commands.resume_request(body, a.lease, receipt=a.receipt, correlation_id=message_id)
