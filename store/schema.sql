@@ -1346,7 +1346,7 @@ CREATE INDEX runs_ended_by_age ON public.runs USING btree (ended_at) WHERE (ende
 -- Name: runs_live_by_session; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX runs_live_by_session ON public.runs USING btree (app, tenant, session_id) WHERE (state = ANY (ARRAY['created'::public.run_state, 'running'::public.run_state, 'paused'::public.run_state]));
+CREATE INDEX runs_live_by_session ON public.runs USING btree (session_id, app, tenant) WHERE (state = ANY (ARRAY['created'::public.run_state, 'running'::public.run_state, 'paused'::public.run_state]));
 
 
 --
@@ -1378,10 +1378,10 @@ CREATE INDEX suspensions_by_deadline ON public.suspensions USING btree (expires_
 
 
 --
--- Name: suspensions_by_scope; Type: INDEX; Schema: public; Owner: -
+-- Name: suspensions_by_reason; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX suspensions_by_scope ON public.suspensions USING btree (app, tenant, reason, run_id);
+CREATE INDEX suspensions_by_reason ON public.suspensions USING btree (reason, app, tenant, run_id);
 
 
 --
@@ -1467,4 +1467,5 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (6, 'outbox_quarantine', '3274f70940b8715bc4336dc2b6ae9d310d6feb25cc35abf201641b4d3eb90b1e'),
     (7, 'inbox_per_scope', 'cb7e0cebf4787417bbd6803f9c158948bd0720531eed8655abce8b8b5f6bf89e'),
     (8, 'retention', 'fec842023816254a78af5ea6e9ad8ae6b1690d9a7fa00b8993a8e22fbcb2f79e'),
-    (9, 'outbox_hold', 'afbffbae318298ff2d211eb5e108dc1abe590dc9c98ca5e56a935b31f69b2b6c');
+    (9, 'outbox_hold', 'afbffbae318298ff2d211eb5e108dc1abe590dc9c98ca5e56a935b31f69b2b6c'),
+    (10, 'planner_proof_lookups', 'a6eb1a82f0ffe2b7f2a080b48118e1c150ec8a7e3ebb30e14609992c4de7561e');
