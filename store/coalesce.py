@@ -14,25 +14,33 @@ flight; the calls that arrive while they are take the next one together. So a qu
 
 A batch whose statement fails is retried call by call, each alone: one call's bad argument (a value the
 database refuses) fails only that call, and an outage fails each call as it would have alone.
+
+A transition that writes an event its writer publishes from memory (an end's run.* event, migration 0011)
+takes the connection's outbox hold as its ``outbox_hold`` argument, set here for every call, and
+``handed`` says which event a call's row wrote: those go to the database's hand-over once the statement
+has committed (``Conn.hand_over``), as a claim's do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
+from intermission.store.outbox import OutboxEvent
 from intermission.store.queries import QUERIES
 
 if TYPE_CHECKING:
-    from intermission.store.db import Database
+    from intermission.store.db import Conn, Database
 
 log = logging.getLogger("intermission.store")
 
 Named = Mapping[str, Any]
+# The event a call's row says its transition wrote under the hold (None: it wrote none).
+Handed = Callable[[Named, asyncpg.Record], OutboxEvent | None]
 
 
 class Coalesced:
@@ -40,10 +48,22 @@ class Coalesced:
     ``batch`` statement (see the module docstring). ``batch`` takes ``single``'s named arguments as arrays
     in ``single``'s order and returns ``single``'s columns with the call's position ``n``."""
 
-    def __init__(self, db: Database, single: str, batch: str, *, max_size: int = 64, max_batches: int = 2) -> None:
+    def __init__(
+        self,
+        db: Database,
+        single: str,
+        batch: str,
+        *,
+        max_size: int = 64,
+        max_batches: int = 2,
+        handed: Handed | None = None,
+    ) -> None:
         arguments = QUERIES[single].arguments
         if arguments is None:
             raise ValueError(f"query {single!r} does not name its arguments")
+        if (handed is not None) != ("outbox_hold" in arguments):
+            raise ValueError(f"query {single!r}: an outbox_hold argument goes with events handed over")
+        self._handed = handed
         self._db = db
         self._single = single
         self._batch = batch
@@ -94,7 +114,9 @@ class Coalesced:
         for named, done in taken:
             try:
                 async with self._db.connection() as con:
-                    alone = await con.fetchrow(self._single, **named)
+                    held = self._held(con, named)
+                    alone = await con.fetchrow(self._single, **held)
+                    self._hand_over(con, [held], [alone])
             except Exception as failed:
                 if not done.done():
                     done.set_exception(failed)
@@ -105,12 +127,33 @@ class Coalesced:
     async def _together(self, calls: list[Named]) -> list[asyncpg.Record]:
         # By run, so that two statements take the rows they share in the same order.
         order = sorted(range(len(calls)), key=lambda i: (calls[i]["app"], calls[i]["tenant"], calls[i]["run_id"]))
-        columns = [[calls[i][name] for i in order] for name in self._arguments]
         async with self._db.connection() as con:
+            held = [self._held(con, calls[i]) for i in order]
+            columns = [[named[name] for named in held] for name in self._arguments]
             found = await con.fetch(self._batch, *columns)
-        if len(found) != len(calls):
-            raise RuntimeError(f"{self._batch} returned {len(found)} rows for {len(calls)} calls")
+            if len(found) != len(calls):
+                raise RuntimeError(f"{self._batch} returned {len(found)} rows for {len(calls)} calls")
+            self._hand_over(con, held, found)
         rows: list[asyncpg.Record] = list(found)
         for position, i in enumerate(order):
             rows[i] = found[position]
         return rows
+
+    def _held(self, con: Conn, named: Named) -> Named:
+        """``named`` with the connection's outbox hold, for a transition whose events are handed over."""
+        if self._handed is None:
+            return named
+        return {**named, "outbox_hold": con.outbox_hold}
+
+    def _hand_over(self, con: Conn, calls: Sequence[Named], found: Sequence[asyncpg.Record | None]) -> None:
+        """The events the statement wrote under the hold go to the hand-over after its commit."""
+        if self._handed is None or con.outbox_hold is None:
+            return
+        handed = self._handed
+        con.hand_over(
+            [
+                event
+                for named, row in zip(calls, found, strict=True)
+                if row is not None and (event := handed(named, row)) is not None
+            ]
+        )

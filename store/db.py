@@ -25,7 +25,7 @@ from intermission.schemas.errors import (
     StoreUnavailable,
 )
 from intermission.store.coalesce import Coalesced
-from intermission.store.outbox import OutboxEvent
+from intermission.store.outbox import OutboxEvent, written
 from intermission.store.queries import OUTBOX_WRITERS, QUERIES
 
 log = logging.getLogger("intermission.store")
@@ -228,7 +228,11 @@ class Database:
         self._hand_over: Callable[[list[OutboxEvent]], None] | None = None
         # Step saves and run ends that happen at the same moment share a statement (store/coalesce.py).
         self.progress_saves = Coalesced(self, "save_progress", "save_progresses")
-        self.run_ends = Coalesced(self, "end_run", "end_runs")
+        # An end's run.* event is published from memory after its commit where this database hands events
+        # over (migration 0011).
+        self.run_ends = Coalesced(
+            self, "end_run", "end_runs", handed=lambda named, row: written(named, row["event_body"])
+        )
         self.outbox_hold_seconds: float | None = None
         # Which server the pool's connections reach (set by ``connect``, which installs the init hook).
         self.tracker: _ServerTracker | None = None

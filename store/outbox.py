@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,10 @@ class OutboxEvent:
     message_id: uuid.UUID = field(default_factory=uuid.uuid4)
     headers: dict[str, HeaderValue] = field(default_factory=lambda: {SCHEMA_VERSION_HEADER: SCHEMA_VERSION})
 
+    def with_body(self, body: str) -> OutboxEvent:
+        """This event with the body its transaction completed and wrote."""
+        return OutboxEvent(self.routing_key, body, self.correlation_id, self.message_id, self.headers)
+
     def arguments(self, *, body: bool = True) -> dict[str, Any]:
         """The event as a transition's named ``event_*`` arguments (without its body when the transition
         takes the body as a document it completes)."""
@@ -42,6 +47,20 @@ class OutboxEvent:
         if body:
             named["event_body"] = self.body
         return named
+
+
+def written(arguments: Mapping[str, Any], body: str | None) -> OutboxEvent | None:
+    """The event a transition wrote from its named ``event_*`` arguments (``OutboxEvent.arguments``) and the
+    body it returns as written (None: it wrote none)."""
+    if body is None:
+        return None
+    return OutboxEvent(
+        routing_key=arguments["event_routing_key"],
+        body=body,
+        correlation_id=arguments["event_correlation_id"],
+        message_id=arguments["event_message_id"],
+        headers=json.loads(arguments["event_headers"]),
+    )
 
 
 def notice_event(notice: Notice, correlation_id: str | None) -> OutboxEvent:

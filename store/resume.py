@@ -579,6 +579,8 @@ class ResumeStore:
                 "end_run",
                 owner=None,
                 at_revision=frozen.run_revision,
+                # Not handed over: the relays publish the closure's run.failed.
+                outbox_hold=None,
                 **end_arguments(
                     scope,
                     run_id,

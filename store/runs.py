@@ -315,7 +315,11 @@ class RunStore:
                 tokens_used=pause.continuation.tokens_used,
                 notice=event.body,
                 **event.arguments(body=False),
+                outbox_hold=con.outbox_hold,
             )
+            if con.outbox_hold is not None:
+                # The Notice as its transaction wrote it, published from memory after the commit.
+                con.hand_over([event.with_body(row["event_body"])] if row is not None and row["event_body"] else [])
         if row is None or row["revision"] is None:
             ending = _ending(row["ending"]) if row is not None else None
             if ending is not None:

@@ -397,6 +397,27 @@ $$;
 
 
 --
+-- Name: intermission_end_run_v2(text, text, text, text, bigint, public.run_state, text, text, jsonb, text, uuid, text, jsonb, jsonb, uuid, text, text, jsonb, integer, bigint, double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_end_run_v2(p_run_id text, p_app text, p_tenant text, p_owner text, p_at_revision bigint, p_state public.run_state, p_output text, p_error text, p_messages jsonb, p_checkpoint_reason text, p_run_event_id uuid, p_run_event_kind text, p_run_event_data jsonb, p_event jsonb, p_event_message_id uuid, p_event_routing_key text, p_event_correlation_id text, p_event_headers jsonb, p_step_count integer, p_tokens_used bigint, p_outbox_hold double precision, OUT revision bigint, OUT ending jsonb, OUT event_body text) RETURNS record
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    PERFORM intermission_hold_outbox_v1(p_outbox_hold);
+    SELECT e.revision, e.ending INTO revision, ending
+      FROM intermission_end_run_v1(
+        p_run_id, p_app, p_tenant, p_owner, p_at_revision, p_state, p_output, p_error, p_messages,
+        p_checkpoint_reason, p_run_event_id, p_run_event_kind, p_run_event_data, p_event, p_event_message_id,
+        p_event_routing_key, p_event_correlation_id, p_event_headers, p_step_count, p_tokens_used) AS e;
+    IF revision IS NOT NULL THEN
+        SELECT o.body INTO event_body FROM outbox o WHERE o.message_id = p_event_message_id;
+    END IF;
+END;
+$$;
+
+
+--
 -- Name: intermission_hold_outbox_v1(double precision); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -465,6 +486,32 @@ BEGIN
         SELECT r.ending INTO ending FROM runs r
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
            AND p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now();
+    END IF;
+END;
+$$;
+
+
+--
+-- Name: intermission_pause_run_v2(text, text, text, text, public.suspend_reason, jsonb, jsonb, text[], double precision, integer, bigint, jsonb, uuid, text, text, jsonb, double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_pause_run_v2(p_run_id text, p_app text, p_tenant text, p_owner text, p_reason public.suspend_reason, p_pending jsonb, p_continuation jsonb, p_approvers text[], p_ttl double precision, p_step_count integer, p_tokens_used bigint, p_notice jsonb, p_event_message_id uuid, p_event_routing_key text, p_event_correlation_id text, p_event_headers jsonb, p_outbox_hold double precision, OUT revision bigint, OUT pause public.suspensions, OUT ending jsonb, OUT event_body text) RETURNS record
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_paused record;
+BEGIN
+    PERFORM intermission_hold_outbox_v1(p_outbox_hold);
+    SELECT p.revision, p.pause, p.ending INTO v_paused
+      FROM intermission_pause_run_v1(
+        p_run_id, p_app, p_tenant, p_owner, p_reason, p_pending, p_continuation, p_approvers, p_ttl,
+        p_step_count, p_tokens_used, p_notice, p_event_message_id, p_event_routing_key,
+        p_event_correlation_id, p_event_headers) AS p;
+    revision := v_paused.revision;
+    pause := v_paused.pause;
+    ending := v_paused.ending;
+    IF revision IS NOT NULL THEN
+        SELECT o.body INTO event_body FROM outbox o WHERE o.message_id = p_event_message_id;
     END IF;
 END;
 $$;
@@ -1468,4 +1515,5 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (7, 'inbox_per_scope', 'cb7e0cebf4787417bbd6803f9c158948bd0720531eed8655abce8b8b5f6bf89e'),
     (8, 'retention', 'fec842023816254a78af5ea6e9ad8ae6b1690d9a7fa00b8993a8e22fbcb2f79e'),
     (9, 'outbox_hold', 'afbffbae318298ff2d211eb5e108dc1abe590dc9c98ca5e56a935b31f69b2b6c'),
-    (10, 'planner_proof_lookups', 'a6eb1a82f0ffe2b7f2a080b48118e1c150ec8a7e3ebb30e14609992c4de7561e');
+    (10, 'planner_proof_lookups', 'a6eb1a82f0ffe2b7f2a080b48118e1c150ec8a7e3ebb30e14609992c4de7561e'),
+    (11, 'handed_pauses_and_ends', 'f52259f88492a95c0344d97dc95eba86e220ad53b9450c7ab858a6fc967efe70');

@@ -41,48 +41,52 @@ SELECT t.taken_run AS run, t.taken_progress AS progress
     p_first_approved => $11) AS t;
 
 -- pause_run --
--- A running run pauses (intermission_pause_run_v1). One row: the new revision and the pause as written (a
--- composite), both NULL when owner does not hold the run or the run was asked to end (then ending says
--- how).
+-- A running run pauses (intermission_pause_run_v2). One row: the new revision, the pause as written (a
+-- composite) and the Notice's body as written, all NULL when owner does not hold the run or the run was
+-- asked to end (then ending says how). With an outbox hold (seconds; NULL: none) the Notice's row waits
+-- that long for the relays, since its writer publishes it from memory (migration 0011).
 -- writes: outbox
-SELECT p.revision, p.pause, p.ending
-  FROM intermission_pause_run_v1(
+SELECT p.revision, p.pause, p.ending, p.event_body
+  FROM intermission_pause_run_v2(
     p_run_id => $1, p_app => $2, p_tenant => $3, p_owner => $4, p_reason => $5, p_pending => $6,
     p_continuation => $7, p_approvers => $8, p_ttl => $9, p_step_count => $10, p_tokens_used => $11,
     p_notice => $12, p_event_message_id => $13, p_event_routing_key => $14, p_event_correlation_id => $15,
-    p_event_headers => $16) AS p;
+    p_event_headers => $16, p_outbox_hold => $17) AS p;
 
 -- end_run --
--- A running run ends (intermission_end_run_v1). One row: the new revision, or NULL when the run is not held
--- as the arguments say or was asked to end otherwise (then ending says how).
+-- A running run ends (intermission_end_run_v2). One row: the new revision and the run.* event's body as
+-- written, or NULL when the run is not held as the arguments say or was asked to end otherwise (then ending
+-- says how). With an outbox hold (seconds; NULL: none) the event's row waits that long for the relays,
+-- since its writer publishes it from memory (migration 0011).
 -- writes: outbox
-SELECT e.revision, e.ending
-  FROM intermission_end_run_v1(
+SELECT e.revision, e.ending, e.event_body
+  FROM intermission_end_run_v2(
     p_run_id => $1, p_app => $2, p_tenant => $3, p_owner => $4, p_at_revision => $5, p_state => $6,
     p_output => $7, p_error => $8, p_messages => $9, p_checkpoint_reason => $10, p_run_event_id => $11,
     p_run_event_kind => $12, p_run_event_data => $13, p_event => $14, p_event_message_id => $15,
     p_event_routing_key => $16, p_event_correlation_id => $17, p_event_headers => $18,
-    p_step_count => $19, p_tokens_used => $20) AS e;
+    p_step_count => $19, p_tokens_used => $20, p_outbox_hold => $21) AS e;
 
 -- end_runs --
 -- end_run for several runs at once, in ONE statement (store/coalesce.py: runs that reach their end at the same
 -- moment share one round trip and one commit; each run's end is still all-or-nothing, inside it). Each array
--- is one of end_run's arguments in end_run's order ($1 run_ids ... $20 tokens_used; states as text), one
+-- is one of end_run's arguments in end_run's order ($1 run_ids ... $21 outbox holds; states as text), one
 -- element per run; the ends run in the arrays' order (the caller sorts them by run). One row per run, as
 -- end_run returns it, with its position n (from 1).
 -- writes: outbox
-SELECT a.n, e.revision, e.ending
+SELECT a.n, e.revision, e.ending, e.event_body
   FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::text[], $8::text[],
               $9::jsonb[], $10::text[], $11::uuid[], $12::text[], $13::jsonb[], $14::jsonb[], $15::uuid[],
-              $16::text[], $17::text[], $18::jsonb[], $19::int[], $20::bigint[])
+              $16::text[], $17::text[], $18::jsonb[], $19::int[], $20::bigint[], $21::float8[])
        WITH ORDINALITY AS a(run_id, app, tenant, owner, at_revision, state, output, error, messages,
                             checkpoint_reason, run_event_id, run_event_kind, run_event_data, event,
                             event_message_id, event_routing_key, event_correlation_id, event_headers,
-                            step_count, tokens_used, n)
- CROSS JOIN LATERAL intermission_end_run_v1(
+                            step_count, tokens_used, outbox_hold, n)
+ CROSS JOIN LATERAL intermission_end_run_v2(
        a.run_id, a.app, a.tenant, a.owner, a.at_revision, a.state::run_state, a.output, a.error, a.messages,
        a.checkpoint_reason, a.run_event_id, a.run_event_kind, a.run_event_data, a.event, a.event_message_id,
-       a.event_routing_key, a.event_correlation_id, a.event_headers, a.step_count, a.tokens_used) AS e
+       a.event_routing_key, a.event_correlation_id, a.event_headers, a.step_count, a.tokens_used,
+       a.outbox_hold) AS e
  ORDER BY a.n;
 
 -- list_run_events --

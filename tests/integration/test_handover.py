@@ -1,6 +1,7 @@
 """Events published from memory after their commit (store/db.py ``hand_over_to``, publishers/relay.py
-``hand_over``, migration 0009): a claim's run.resumed goes to its worker's hand-over, its row is held
-from the relays meanwhile, and is marked sent once confirmed; nothing else is held."""
+``hand_over``, migrations 0009 and 0012): a pause's Notice, a claim's run.resumed and an end's run.* event
+go to their worker's hand-over, their rows are held from the relays meanwhile, and are marked sent once
+confirmed; rows of a database that hands nothing over are not held."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from intermission.publishers.clients import HostClient
 from intermission.schemas.commands import ResumeCommand, ToolAnswer
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
-from intermission.schemas.suspension import ClaimVersion
+from intermission.schemas.suspension import ClaimVersion, Notice
 from intermission.store import Stores
 from intermission.store.inbox import Receipt
 from intermission.store.outbox import OutboxEvent
@@ -23,7 +24,7 @@ WAIT = 20.0
 HOLD = 30.0
 
 
-async def test_a_claim_hands_its_resumed_event_over_and_holds_its_row_from_the_relays(
+async def test_a_pause_a_claim_and_an_end_hand_their_events_over_and_hold_their_rows_from_the_relays(
     stores: Stores, scope: Scope
 ) -> None:
     handed: list[list[OutboxEvent]] = []
@@ -38,54 +39,68 @@ async def test_a_claim_hands_its_resumed_event_over_and_holds_its_row_from_the_r
         claimed = await stores.commands.resume(
             cmd, lease(), receipt=Receipt.of("m-1", Command.RESUME.value, cmd), correlation_id="m-1"
         )
-        # Another statement of the same pool, which hands nothing over: its rows are not held.
-        other = await paused_run(stores, scope)
+        ended = await stores.at(scope).runs.end_run(
+            p.run.id, claimed.run.lease_owner or "", RunEventKind.COMPLETED, output="done", correlation_id="m-1"
+        )
     finally:
         stop()
+    # A statement of the same pool once the hand-over stopped: its row is not held.
+    other = await paused_run(stores, scope)
     assert claimed.run.id == p.run.id
-    ((event,),) = handed  # one commit, one event: the claim's run.resumed
-    assert event.routing_key == f"run.resumed.{scope.app}.{scope.tenant}"
-    body = RunEvent.model_validate_json(event.body)
+    # One commit, one event each: the pause's Notice, the claim's run.resumed, the end's run.completed.
+    ((notice,), (resumed,), (completed,)) = handed
+    assert notice.routing_key == f"notice.external_tool.{scope.app}.{scope.tenant}"
+    assert Notice.model_validate_json(notice.body).suspension_id == p.suspension.id  # completed by its commit
+    assert resumed.routing_key == f"run.resumed.{scope.app}.{scope.tenant}"
+    body = RunEvent.model_validate_json(resumed.body)
     assert (body.kind, body.run_id, body.revision) == (RunEventKind.RESUMED, p.run.id, p.revision + 1)
+    assert completed.routing_key == f"run.completed.{scope.app}.{scope.tenant}"
+    assert RunEvent.model_validate_json(completed.body) == ended  # the revision its transaction gave it
 
     async with stores.db.connection() as con:
-        row = await con.raw.fetchrow(
-            "SELECT body, correlation_id, sent_at, next_attempt_at - created_at AS held"
-            " FROM outbox WHERE message_id = $1",
-            event.message_id,
-        )
-        notice = await con.raw.fetchrow(
+        rows = {
+            r["message_id"]: r
+            for r in await con.raw.fetch(
+                "SELECT message_id, body, correlation_id, sent_at, next_attempt_at - created_at AS held"
+                " FROM outbox WHERE run_id = $1",
+                p.run.id,
+            )
+        }
+        unheld = await con.raw.fetchrow(
             "SELECT next_attempt_at FROM outbox WHERE run_id = $1 AND routing_key LIKE 'notice.%'", other.run.id
         )
-    assert row is not None
-    assert notice is not None
-    assert row["body"] == event.body  # what the relay would publish is what was handed over
-    assert row["correlation_id"] == "m-1"
-    assert row["sent_at"] is None
-    assert row["held"] == timedelta(seconds=HOLD)
-    assert notice["next_attempt_at"] is None  # the pause's Notice was not handed over: due at once
+    assert rows.keys() == {notice.message_id, resumed.message_id, completed.message_id}
+    for event in (notice, resumed, completed):
+        row = rows[event.message_id]
+        assert row["body"] == event.body  # what the relay would publish is what was handed over
+        assert row["sent_at"] is None
+        assert row["held"] == timedelta(seconds=HOLD)
+    assert rows[resumed.message_id]["correlation_id"] == "m-1"
+    assert unheld is not None
+    assert unheld["next_attempt_at"] is None  # due at once
 
-    # The relays pass over the held row, and take the Notice.
+    # The relays pass over the held rows, and take the other Notice.
     async with stores.across_scopes.claim_outbox(100) as batch:
         claimable = {r.message_id for r in batch.rows}
-    assert str(event.message_id) not in claimable
-    assert claimable  # the Notices of the two pauses
+    assert not claimable & {str(e.message_id) for e in (notice, resumed, completed)}
+    assert claimable  # the other pause's Notice
 
-    await stores.across_scopes.mark_handed_sent([event.message_id])
+    await stores.across_scopes.mark_handed_sent([resumed.message_id])
     async with stores.db.connection() as con:
         marked = await con.raw.fetchrow(
-            "SELECT sent_at, next_attempt_at FROM outbox WHERE message_id = $1", event.message_id
+            "SELECT sent_at, next_attempt_at FROM outbox WHERE message_id = $1", resumed.message_id
         )
     assert marked is not None
     assert marked["sent_at"] is not None
     assert marked["next_attempt_at"] is None
 
 
-async def test_a_workers_resumed_event_is_published_from_memory_and_marked_sent(
+async def test_a_workers_events_are_published_from_memory_and_marked_sent(
     stores: Stores, scope: Scope, worker: Worker, host: HostClient
 ) -> None:
-    p = await paused_run(stores, scope)
     before = worker.relay.handed
+    p = await paused_run(stores, scope)  # the test's store is the worker's: its Notice is handed over too
+    heard: list[str | None] = []
     async with host.subscribe(scope) as events:
         await host.resume(
             ResumeCommand(
@@ -96,15 +111,19 @@ async def test_a_workers_resumed_event_is_published_from_memory_and_marked_sent(
         )
         async with asyncio.timeout(WAIT):
             async for received in events:
-                if isinstance(received.event, RunEvent) and received.event.kind is RunEventKind.RESUMED:
-                    resumed = received
-                    break
+                event = received.event
+                if isinstance(event, RunEvent | Notice) and event.run_id == p.run.id:
+                    heard.append(received.message_id)
+                    # Where the run stops for now: its end, or its next pause.
+                    if isinstance(event, Notice) or event.kind is not RunEventKind.RESUMED:
+                        break
     await worker.relay.handed_settled()
-    assert worker.relay.handed == before + 1
     async with stores.db.connection() as con:
-        row = await con.raw.fetchrow(
-            "SELECT sent_at, next_attempt_at FROM outbox WHERE message_id = $1::uuid", resumed.message_id
+        written = await con.raw.fetch(
+            "SELECT message_id::text, sent_at, next_attempt_at, routing_key FROM outbox WHERE run_id = $1", p.run.id
         )
-    assert row is not None
-    assert row["sent_at"] is not None
-    assert row["next_attempt_at"] is None
+    # Everything written for the run (the Notice, its run.resumed, what it did next) was handed over, heard
+    # (but for the Notice, sent before the subscription) and marked sent, with no hold left on it.
+    assert {r["message_id"] for r in written if not r["routing_key"].startswith("notice.")} == set(heard)
+    assert worker.relay.handed == before + len(written)
+    assert all(r["sent_at"] is not None and r["next_attempt_at"] is None for r in written)

@@ -108,8 +108,11 @@ async def test_a_non_retry_safe_call_among_many_is_still_written_to_started_befo
 async def test_the_tool_call_budget_fails_a_runaway_turn_before_any_of_its_calls_runs(
     stores: Stores, scope: Scope, database_url: str, counted: Inspector
 ) -> None:
-    # No budget in the start: the worker's default applies, and is stored with the run.
-    w = worker(stores, fast_settings(database_url, max_tool_calls=40))
+    # No budget in the start: the worker's default applies, and is stored with the run. The lease is a long
+    # one: checking a turn of 50,000 calls is a stretch of CPU without a pause for the event loop, and on a
+    # busy machine it outlasted fast_settings' 1.5 s lease, which the worker's own reclaim sweep then took
+    # over (a second first snapshot). Budgets, not leases, are what this test is about.
+    w = worker(stores, fast_settings(database_url, max_tool_calls=40, lease_seconds=60, lease_renew_seconds=5))
     try:
         runaway = start_command(scope, [{"call": [{"tool": "charge", "arguments": {"amount": 1}}] * 50_000}])
         await w.control.start(runaway)
