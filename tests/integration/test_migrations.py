@@ -60,9 +60,15 @@ def expected() -> list[tuple[int, str, str]]:
     return [(m.version, m.name, m.checksum) for m in migrations()]
 
 
+# Numbers taken by a change on another branch that has not landed here yet: the only gaps allowed. Remove a
+# number once its migration is in this tree (then the test asks for it to be there).
+RESERVED = frozenset({10})
+
+
 async def test_migration_files_are_numbered_in_order_without_gaps() -> None:
     versions = [m.version for m in migrations()]
-    assert versions == list(range(1, len(versions) + 1))
+    wanted = [v for v in range(1, versions[-1] + 1) if v not in RESERVED or v in versions]
+    assert versions == wanted
 
 
 async def test_ensure_database_creates_a_missing_database_and_is_safe_to_call_twice(
