@@ -185,7 +185,16 @@ async def queue_consumers(access: ManagementAccess, *, request_seconds: float = 
 
 
 async def consumers(access: ManagementAccess) -> Check:
-    counted = await queue_consumers(access)
+    try:
+        counted = await queue_consumers(access)
+    except httpx.HTTPStatusError as exc:
+        return Check(
+            "consumers",
+            Status.FAIL,
+            f"the management API answered {exc.response.status_code} to {access.user} (vhost {access.vhost})",
+            "set INTERMISSION_MANAGEMENT_USER and INTERMISSION_MANAGEMENT_PASSWORD to an administrator of the"
+            " broker (the AMQP URL's user by default)",
+        )
     idle = sorted(q for q, n in counted.items() if not n)
     if not idle:
         return Check("consumers", Status.OK, "every command queue has a consumer", details={"consumers": counted})

@@ -20,6 +20,7 @@ import importlib
 import json
 import logging
 import sys
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import asdict, is_dataclass
@@ -120,8 +121,10 @@ def _server_down(exc: BaseException, settings: Settings | None) -> ServerDown | 
     return None
 
 
-def fail(what: str, message: str, code: int = EXIT_PROBLEM) -> NoReturn:
-    click.echo(f"{what} failed: {message}", err=True)
+def fail(what: str, message: str, code: int = EXIT_PROBLEM, *, error_code: str | None = None) -> NoReturn:
+    """End the command: ``<what> failed[ (<error code>)]: <message>`` on stderr, and ``code``."""
+    named = f" ({error_code})" if error_code else ""
+    click.echo(f"{what} failed{named}: {message}", err=True)
     sys.exit(code)
 
 
@@ -138,7 +141,7 @@ def run_or_exit(what: str, work: Coroutine[Any, Any, T], settings: Settings | No
         if down is not None:
             fail(what, str(down), EXIT_SERVER_DOWN)
         if isinstance(exc, IntermissionError):
-            fail(what, f"({exc.code}) {exc.detail}")
+            fail(what, exc.detail, error_code=exc.code)
         fail(what, f"{type(exc).__name__}: {exc}")
     except ServerDown as exc:
         fail(what, str(exc), EXIT_SERVER_DOWN)
@@ -251,7 +254,8 @@ def say(message: str) -> None:
 
 
 def plain(value: Any) -> Any:
-    """``value`` as JSON can hold it: dataclasses and models as objects, times as RFC 3339, enums by value."""
+    """``value`` as JSON can hold it: dataclasses and models as objects, times as RFC 3339, enums by value,
+    UUIDs as text."""
     if isinstance(value, BaseModel):
         return plain(value.model_dump(mode="json"))
     if is_dataclass(value) and not isinstance(value, type):
@@ -264,6 +268,8 @@ def plain(value: Any) -> Any:
         return value.isoformat()
     if isinstance(value, Enum):
         return value.value
+    if isinstance(value, uuid.UUID):
+        return str(value)
     return value
 
 

@@ -200,10 +200,13 @@ async def test_a_sweeper_reports_pauses_deadlines_sweeper_lag_outbox_lag_and_dea
     )
     proc = await cli_process("sweeper", env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     try:
+        # A whole report: the database's figures, then the dead-letter queue's (a scrape may fall between).
         first = await until(
             port,
-            lambda v: v.get(("intermission_outbox_pending_rows", ())) == 3,
-            "the sweeper's first report",
+            lambda v: (
+                v.get(("intermission_outbox_pending_rows", ())) == 3 and v.get(("intermission_dead_letters", ())) == 1
+            ),
+            "the sweeper's first whole report",
         )
         open_pauses = "intermission_pauses_open"
         assert gauge(first, open_pauses, reason="external_tool", age="under_1m") == 2
