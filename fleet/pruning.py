@@ -1,5 +1,6 @@
 """The sweeper's retention loop: every ``PRUNE_INTERVAL_SECONDS`` it prunes what is past retention (paced,
-``store/retention.py``) and reports the storage it keeps bounded and the dead-letter queue's depth and age.
+``store/retention.py``) and reports the storage it keeps bounded, the open pauses and their deadlines, the
+outbox's lag, and the dead-letter queue's depth and age.
 
 Any number of sweepers run it at once: each batch skips the rows another holds. A loop that fails is
 restarted by the process's supervisor like every background loop.
@@ -18,6 +19,7 @@ from intermission.fleet.settings import Settings
 from intermission.ops.dead import dead_stats
 from intermission.ops.metrics import SweeperMetrics
 from intermission.publishers.amqp import RETRYABLE
+from intermission.store.across_scopes import AcrossScopes
 from intermission.store.db import Database
 from intermission.store.retention import Counts, Kept, Pruner, Retention
 
@@ -54,6 +56,7 @@ class PruneLoop:
         metrics: SweeperMetrics,
     ) -> None:
         self.pruner = pruner_for(db, settings)
+        self.figures = AcrossScopes(db)
         self.connection = connection
         self.interval = settings.prune_interval_seconds
         self.metrics = metrics
@@ -78,6 +81,9 @@ class PruneLoop:
         ended, inbox = await self.pruner.oldest_kept()
         self.metrics.oldest_ended_run.set(ended or 0.0)
         self.metrics.oldest_inbox.set(inbox or 0.0)
+        # What operators look at first, fleet-wide: open pauses and their deadlines, the outbox's lag.
+        self.metrics.report_pauses(await self.figures.pause_figures())
+        self.metrics.report_outbox(await self.figures.outbox_lag())
         try:
             dead = await dead_stats(self.connection)
         except BROKER_AWAY as exc:

@@ -165,6 +165,7 @@ class Fleet:
             await self._release(ctx)
         except RunLeaseLost:
             handle.lost = True
+            self.metrics.lease_lost_writes.inc()
             log.warning("lease lost; writing nothing more", extra={"action": "run_lease_lost", **extra})
         except asyncio.CancelledError:
             if handle.lost:
@@ -212,6 +213,7 @@ class Fleet:
         if self.stopping:
             return 0
         taken = await self.stores.across_scopes.reclaim_lapsed(self.lease(), self.settings.reclaim_batch)
+        self.metrics.lease_takeovers.inc(len(taken))
         for one in taken:
             extra = {"run_id": one.run_id if isinstance(one, Unreadable) else one.run.id}
             try:

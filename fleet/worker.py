@@ -21,7 +21,7 @@ from aio_pika.abc import AbstractRobustConnection
 
 from intermission.agent.executor import Executor
 from intermission.agent.plugins import load_executor
-from intermission.consumers.handlers import CommandHandlers, WorkerHooks
+from intermission.consumers.handlers import WorkerHooks
 from intermission.consumers.policy import AckPolicy, CommandLimits
 from intermission.consumers.rejection import Rejecter
 from intermission.consumers.service import CommandConsumers
@@ -33,7 +33,7 @@ from intermission.fleet.settings import Settings
 from intermission.fleet.signals import stop_on_signals
 from intermission.fleet.supervisor import SupervisedTaskFailed, Supervisor
 from intermission.ops import health
-from intermission.ops.metrics import SweeperMetrics, WorkerMetrics
+from intermission.ops.metrics import SweeperMetrics, TimedHandlers, WorkerMetrics
 from intermission.publishers.amqp import connect
 from intermission.publishers.relay import OutboxRelay
 from intermission.publishers.sweeper import ExpirySweeper
@@ -146,7 +146,7 @@ async def running_worker(
             fleet.submit(claimed)
 
         policy = AckPolicy(
-            CommandHandlers(
+            TimedHandlers(
                 stores,
                 WorkerHooks(
                     lease=fleet.lease,
@@ -157,6 +157,7 @@ async def running_worker(
                     ),
                     bus_user=settings.bus_user,
                 ),
+                metrics.command_seconds,
             ),
             Rejecter(topology.events, topology.dead, timeout=settings.publish_timeout_seconds),
             hand_over,

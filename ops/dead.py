@@ -133,13 +133,16 @@ async def replay_dead(
     connection: AbstractRobustConnection,
     wanted: Callable[[DeadLetter], bool],
     limit: int = 1000,
+    on_looked_at: Callable[[], None] = lambda: None,
 ) -> list[DeadLetter]:
-    """Republish the dead-lettered commands ``wanted`` selects; returns what was replayed."""
+    """Republish the dead-lettered commands ``wanted`` selects; returns what was replayed. ``on_looked_at``
+    is called once per dead letter looked at, replayed or not (a progress bar)."""
     channel, fetched = await _fetch_all(connection, limit)
     replayed: list[DeadLetter] = []
     try:
         exchange = await channel.get_exchange(COMMANDS_EXCHANGE)
         for message in fetched:
+            on_looked_at()
             letter = describe(message)
             command = Command.of_key(letter.routing_key)
             if command is None or not wanted(letter):

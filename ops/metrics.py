@@ -8,12 +8,19 @@ bounded sets (command names, outcomes, error codes), never run ids or scopes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from intermission.consumers.handlers import CommandHandlers, WorkerHooks
+from intermission.consumers.parsing import Delivery
+from intermission.schemas.suspension import SuspendReason
+from intermission.store import Stores
+from intermission.store.across_scopes import PAUSE_AGES, OutboxLag, PauseFigures
+from intermission.store.commands import AnswerRequest, Claimed
 from intermission.wire import Command
 
 if TYPE_CHECKING:
@@ -81,6 +88,26 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self.running = Gauge("intermission_runs_running", "Runs executing in this worker now.", registry=self.registry)
+        self.command_seconds = Histogram(
+            "intermission_command_transaction_seconds",
+            "How long one command's transaction took in this worker (its claim, start, cancel, reply: the read,"
+            " the transition and the commit), by command; `batch` for a group commit of resumes, decisions and"
+            " expiries, observed once per batch. Retried attempts are observed each.",
+            ["command"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=self.registry,
+        )
+        self.lease_takeovers = Counter(
+            "intermission_lease_takeovers_total",
+            "Running runs whose lapsed lease this worker's reclaim sweep took over (continued or quarantined).",
+            registry=self.registry,
+        )
+        self.lease_lost_writes = Counter(
+            "intermission_lease_lost_writes_total",
+            "Writes of a run (a progress save, a pause, an end) the database refused because this worker's lease"
+            " on it was lost: another worker took the run over.",
+            registry=self.registry,
+        )
 
     def watch_relay(self, relay: OutboxRelay) -> None:
         """Expose ``relay``'s refusals, quarantines and the quarantined rows' count."""
@@ -88,6 +115,32 @@ class WorkerMetrics:
 
     def command(self, command: Command, outcome: str, code: str) -> None:
         self.commands.labels(command.value, outcome, code).inc()
+
+
+class TimedHandlers(CommandHandlers):
+    """The worker's command handlers, each transaction timed into ``intermission_command_transaction_seconds``.
+
+    Timed here, around the handlers the ack policy calls, rather than inside the policy or the store: the
+    hot path itself stays as it is, and every attempt the policy makes (a retry after a transient error
+    too) is one observation."""
+
+    def __init__(self, stores: Stores, hooks: WorkerHooks, seconds: Histogram) -> None:
+        super().__init__(stores, hooks)
+        self._seconds = seconds
+
+    async def apply(self, command: Command, delivery: Delivery, message_id: str) -> Claimed | None:
+        started = time.perf_counter()
+        try:
+            return await super().apply(command, delivery, message_id)
+        finally:
+            self._seconds.labels(command.value).observe(time.perf_counter() - started)
+
+    async def answer_batch(self, batch: list[tuple[Command, AnswerRequest]]) -> list[Claimed | Exception]:
+        started = time.perf_counter()
+        try:
+            return await super().answer_batch(batch)
+        finally:
+            self._seconds.labels("batch").observe(time.perf_counter() - started)
 
 
 class SweeperMetrics:
@@ -146,3 +199,45 @@ class SweeperMetrics:
             ["task"],
             registry=self.registry,
         )
+        self.pauses_open = Gauge(
+            "intermission_pauses_open",
+            "Live pauses of paused runs, fleet-wide, by reason and by how long they have been open (under_1m,"
+            " 1m_to_1h, 1h_to_1d, 1d_to_7d, over_7d).",
+            ["reason", "age"],
+            registry=self.registry,
+        )
+        self.earliest_deadline = Gauge(
+            "intermission_pause_earliest_deadline_timestamp_seconds",
+            "When the earliest deadline of a live pause falls (Unix time; 0 when no live pause has one).",
+            registry=self.registry,
+        )
+        self.sweeper_lag = Gauge(
+            "intermission_sweeper_lag_seconds",
+            "How long ago the oldest pause whose deadline passed, and whose run is still paused, should have"
+            " expired: 0 when none waits; above INTERMISSION_SWEEP_INTERVAL_SECONDS (plus a claim), the sweepers"
+            " or the expire consumers are behind.",
+            registry=self.registry,
+        )
+        self.outbox_pending = Gauge(
+            "intermission_outbox_pending_rows",
+            "Outbox rows the relays have yet to publish, fleet-wide (quarantined ones are not among them).",
+            registry=self.registry,
+        )
+        self.outbox_oldest = Gauge(
+            "intermission_outbox_oldest_pending_seconds",
+            "How long ago the oldest outbox row the relays have yet to publish was written (0 when none waits).",
+            registry=self.registry,
+        )
+
+    def report_pauses(self, figures: PauseFigures) -> None:
+        """Every reason and age bucket, those with no pause at 0, so that a drained bucket reads 0."""
+        for reason in SuspendReason:
+            for age in PAUSE_AGES:
+                self.pauses_open.labels(reason.value, age).set(figures.open.get((reason.value, age), 0))
+        earliest = figures.earliest_deadline
+        self.earliest_deadline.set(earliest.timestamp() if earliest is not None else 0.0)
+        self.sweeper_lag.set(figures.sweeper_lag_seconds)
+
+    def report_outbox(self, lag: OutboxLag) -> None:
+        self.outbox_pending.set(lag.pending)
+        self.outbox_oldest.set(lag.oldest_seconds or 0.0)

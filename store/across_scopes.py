@@ -11,6 +11,7 @@ continues each run under its stored scope; the relay publishes each event to its
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -21,7 +22,7 @@ from typing import Final
 from intermission.schemas.errors import InvalidArgument, InvalidContinuation
 from intermission.schemas.run import Lease, Run, RunState
 from intermission.schemas.scope import Scope
-from intermission.schemas.suspension import ClaimVersion, Suspension
+from intermission.schemas.suspension import ClaimVersion, SuspendReason, Suspension
 from intermission.store import rows
 from intermission.store.db import Conn, Database
 from intermission.store.runs import Reclaimed, check_lease
@@ -363,3 +364,219 @@ class AcrossScopes:
         async with self.db.connection() as con:
             found = await con.fetch("list_runs", state.value if state else None, limit)
         return [rows.run_from_row(r) for r in found]
+
+    # --- operators' figures (the CLI, `intermission doctor`, the sweeper's metrics) ------------------
+
+    async def find_run_scopes(self, run_id: str) -> list[Scope]:
+        """The scopes a run id is found in (run ids are unique across scopes, so at most one today)."""
+        async with self.db.connection() as con:
+            found = await con.fetch("find_run_scopes", run_id)
+        return [Scope.model_construct(app=r["app"], tenant=r["tenant"]) for r in found]
+
+    async def list_run_summaries(self, runs: RunFilter, limit: int, after: RunCursor | None = None) -> list[RunSummary]:
+        """Operators: runs newest change first, filtered, after the keyset cursor ``after``."""
+        if not 1 <= limit <= 1000:
+            raise InvalidArgument("limit must be between 1 and 1000")
+        for name, seconds in (
+            ("older_than", runs.older_than_seconds),
+            ("deadline_within", runs.deadline_within_seconds),
+        ):
+            if seconds is not None and not (math.isfinite(seconds) and seconds >= 0):
+                raise InvalidArgument(f"{name} must be a finite, non-negative number of seconds")
+        async with self.db.connection() as con:
+            found = await con.fetch(
+                "list_run_summaries",
+                runs.app,
+                runs.tenant,
+                runs.state.value if runs.state is not None else None,
+                runs.reason.value if runs.reason is not None else None,
+                runs.older_than_seconds,
+                runs.deadline_within_seconds,
+                limit,
+                after.updated_at if after is not None else None,
+                after.run_id if after is not None else None,
+            )
+        return [
+            RunSummary(
+                id=r["id"],
+                app=r["app"],
+                tenant=r["tenant"],
+                agent_id=r["agent_id"],
+                state=r["state"],
+                revision=r["revision"],
+                lease_owner=r["lease_owner"],
+                lease_expires_at=r["lease_expires_at"],
+                step_count=r["step_count"],
+                created_at=r["created_at"],
+                updated_at=r["updated_at"],
+                ended_at=r["ended_at"],
+                suspension_id=r["suspension_id"],
+                reason=r["reason"],
+                expires_at=r["expires_at"],
+            )
+            for r in found
+        ]
+
+    async def pause_figures(self) -> PauseFigures:
+        """Live pauses by reason and age, and their deadlines, by the database clock."""
+        async with self.db.connection() as con:
+            by_age = await con.fetch("open_pauses")
+            deadlines = await con.fetchrow("pause_deadlines")
+        assert deadlines is not None
+        return PauseFigures(
+            open={(r["reason"], r["age"]): int(r["pauses"]) for r in by_age},
+            earliest_deadline=deadlines["earliest"],
+            earliest_passed=deadlines["earliest_passed"],
+            passed=int(deadlines["passed"]),
+            now=deadlines["now"],
+        )
+
+    async def outbox_lag(self) -> OutboxLag:
+        async with self.db.connection() as con:
+            row = await con.fetchrow("outbox_lag")
+        assert row is not None
+        return OutboxLag(
+            pending=int(row["pending"]), oldest_seconds=row["oldest_seconds"], quarantined=int(row["quarantined"])
+        )
+
+    async def stale_leases(self, grace_seconds: float, limit: int = 10) -> tuple[int, list[StaleLease]]:
+        """Running runs whose lease lapsed more than ``grace_seconds`` ago: how many, and the ``limit``
+        oldest."""
+        async with self.db.connection() as con:
+            found = await con.fetch("stale_leases", grace_seconds, limit)
+        total = int(found[0]["total"]) if found else 0
+        return total, [
+            StaleLease(
+                run_id=r["id"],
+                app=r["app"],
+                tenant=r["tenant"],
+                lease_owner=r["lease_owner"],
+                lapsed_seconds=r["lapsed_seconds"],
+            )
+            for r in found
+        ]
+
+    async def replication(self) -> Replication:
+        """Whether this server is a standby, and the standbys streaming from it (a primary's view)."""
+        async with self.db.connection() as con:
+            found = await con.fetch("replication_status")
+        return Replication(
+            in_recovery=bool(found[0]["in_recovery"]) if found else False,
+            standbys=[
+                Standby(
+                    name=r["application_name"],
+                    address=r["client_addr"],
+                    state=r["state"],
+                    sync_state=r["sync_state"],
+                    lag_bytes=r["lag_bytes"],
+                    lag_seconds=r["lag_seconds"],
+                )
+                for r in found
+                if r["application_name"] is not None or r["state"] is not None
+            ],
+        )
+
+
+@dataclass(frozen=True)
+class RunFilter:
+    """What ``list_run_summaries`` keeps; None: any."""
+
+    app: str | None = None
+    tenant: str | None = None
+    state: RunState | None = None
+    # The live pause's reason (a paused run's).
+    reason: SuspendReason | None = None
+    # Unchanged for at least this long (a paused run: paused that long).
+    older_than_seconds: float | None = None
+    # A live pause whose deadline is at most this far ahead (passed ones included).
+    deadline_within_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class RunCursor:
+    """Where a listing of runs stopped: the last run's last change and id."""
+
+    updated_at: datetime
+    run_id: str
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A run as a listing shows it, read as stored (nothing decoded, so one malformed row cannot fail a list)."""
+
+    id: str
+    app: str
+    tenant: str
+    agent_id: str
+    state: str
+    revision: int
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    step_count: int
+    created_at: datetime
+    updated_at: datetime
+    ended_at: datetime | None
+    # The live pause of a paused run.
+    suspension_id: int | None
+    reason: str | None
+    expires_at: datetime | None
+
+    @property
+    def cursor(self) -> RunCursor:
+        return RunCursor(self.updated_at, self.id)
+
+
+# The age buckets of open pauses, youngest first (``open_pauses``).
+PAUSE_AGES: Final = ("under_1m", "1m_to_1h", "1h_to_1d", "1d_to_7d", "over_7d")
+
+
+@dataclass(frozen=True)
+class PauseFigures:
+    # (reason, age bucket) to how many live pauses; a pair with none is absent.
+    open: dict[tuple[str, str], int]
+    earliest_deadline: datetime | None
+    # The earliest deadline that passed while its run is still paused: what the sweepers have yet to expire.
+    earliest_passed: datetime | None
+    passed: int
+    # The database clock when they were read.
+    now: datetime
+
+    @property
+    def sweeper_lag_seconds(self) -> float:
+        """How long ago the oldest pause the sweepers have yet to expire passed its deadline (0: none)."""
+        if self.earliest_passed is None:
+            return 0.0
+        return max(0.0, (self.now - self.earliest_passed).total_seconds())
+
+
+@dataclass(frozen=True)
+class OutboxLag:
+    pending: int
+    # How long ago the oldest pending row was written (None: none is pending).
+    oldest_seconds: float | None
+    quarantined: int
+
+
+@dataclass(frozen=True)
+class StaleLease:
+    run_id: str
+    app: str
+    tenant: str
+    lease_owner: str | None
+    lapsed_seconds: float
+
+
+@dataclass(frozen=True)
+class Standby:
+    name: str | None
+    address: str | None
+    state: str | None
+    sync_state: str | None
+    lag_bytes: float | None
+    lag_seconds: float | None
+
+
+@dataclass(frozen=True)
+class Replication:
+    in_recovery: bool
+    standbys: list[Standby]

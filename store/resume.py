@@ -27,6 +27,8 @@ import contextlib
 import json
 import re
 import uuid
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -225,6 +227,19 @@ def _closure(row: asyncpg.Record) -> ResumeClosure:
         run_revision=row["run_revision"],
         closed_at=row["closed_at"],
     )
+
+
+@dataclass(frozen=True)
+class AdmissionState:
+    """An agent reply's admission as operators see it: which pause, and what became of it."""
+
+    suspension_id: int
+    pinned_revision: int
+    claimed_revision: int
+    admitted_at: datetime
+    started_at: datetime | None
+    expired_at: datetime | None
+    closed_at: datetime | None
 
 
 class ResumeStore:
@@ -472,6 +487,25 @@ class ResumeStore:
         last = page[-1].request.version if page else None
         next_cursor = encode_cursor(self.scope, last.run_id, last.suspension_id) if more and last else ""
         return ResumeAdmissionPage(admissions=page, next=next_cursor)
+
+    async def list_run_admissions(self, run_id: str) -> list[AdmissionState]:
+        """Operators: the run's admissions in pause order, each with whether it was started, expired or
+        closed."""
+        _check_run_id(run_id)
+        async with self.db.connection() as con:
+            found = await con.fetch("list_run_admissions", run_id, self.scope.app, self.scope.tenant)
+        return [
+            AdmissionState(
+                suspension_id=r["suspension_id"],
+                pinned_revision=r["pinned_revision"],
+                claimed_revision=r["claimed_revision"],
+                admitted_at=r["admitted_at"],
+                started_at=r["started_at"],
+                expired_at=r["expired_at"],
+                closed_at=r["closed_at"],
+            )
+            for r in found
+        ]
 
     async def get_resume_start(self, run_id: str, suspension_id: int) -> ResumeStart:
         """A recorded start, never with its suspension: reading a start grants nothing."""

@@ -14,6 +14,7 @@ import json
 import math
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from intermission.schemas.config import REDACTED_ARGUMENTS, RunConfig
 from intermission.schemas.digest import digest
@@ -395,6 +396,81 @@ class RunStore:
                 "kind": r["kind"],
                 "revision": r["revision"],
                 "data": json.loads(r["data"]),
+                "created_at": r["created_at"],
             }
             for r in found
         ]
+
+    async def list_outbox(self, run_id: str) -> list[RunOutboxRow]:
+        """Operators: the run's outbox rows in order, where each stands, never their bodies."""
+        async with self.db.connection() as con:
+            found = await con.fetch("list_run_outbox", run_id, self.scope.app, self.scope.tenant)
+        return [
+            RunOutboxRow(
+                id=r["id"],
+                message_id=r["message_id"],
+                routing_key=r["routing_key"],
+                correlation_id=r["correlation_id"],
+                headers=_header_table(r["headers"]),
+                created_at=r["created_at"],
+                sent_at=r["sent_at"],
+                attempts=r["attempts"],
+                next_attempt_at=r["next_attempt_at"],
+                quarantined_at=r["quarantined_at"],
+                last_error=r["last_error"],
+            )
+            for r in found
+        ]
+
+    async def notice_of_pause(self, run_id: str, suspension_id: int) -> StoredEvent | None:
+        """The outbox row that carried the Notice of pause ``suspension_id``, whole (None: there is none,
+        or it was pruned)."""
+        async with self.db.connection() as con:
+            r = await con.fetchrow("notice_of_pause", run_id, self.scope.app, self.scope.tenant, suspension_id)
+        if r is None:
+            return None
+        return StoredEvent(
+            id=r["id"],
+            message_id=r["message_id"],
+            routing_key=r["routing_key"],
+            body=r["body"],
+            correlation_id=r["correlation_id"],
+            headers=_header_table(r["headers"]),
+        )
+
+
+def _header_table(raw: str | None) -> dict[str, str | int | float | bool]:
+    # The outbox only ever stores scalars (the schema version, a traceparent); anything else is left out.
+    decoded: object = json.loads(raw) if raw else {}
+    if not isinstance(decoded, dict):
+        return {}
+    return {str(k): v for k, v in decoded.items() if isinstance(v, str | int | float | bool)}
+
+
+@dataclass(frozen=True)
+class RunOutboxRow:
+    """One of a run's outbox rows as operators see it: where it goes and where it stands, not its body."""
+
+    id: int
+    message_id: str
+    routing_key: str
+    correlation_id: str | None
+    headers: dict[str, str | int | float | bool]
+    created_at: datetime
+    sent_at: datetime | None
+    attempts: int
+    next_attempt_at: datetime | None
+    quarantined_at: datetime | None
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    """An outbox row whole, to be published again exactly as it was written."""
+
+    id: int
+    message_id: str
+    routing_key: str
+    body: str
+    correlation_id: str | None
+    headers: dict[str, str | int | float | bool]

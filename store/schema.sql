@@ -429,6 +429,65 @@ $$;
 
 
 --
+-- Name: intermission_move_deadline_v1(text, text, text, bigint, double precision, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_move_deadline_v1(p_run_id text, p_app text, p_tenant text, p_suspension_id bigint, p_extend_by double precision, p_moved_by text, OUT outcome text, OUT suspension_id bigint, OUT run_revision bigint, OUT previous timestamp with time zone, OUT expires_at timestamp with time zone) RETURNS record
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_result record;
+BEGIN
+    IF p_extend_by IS NOT NULL AND NOT (p_extend_by > 0 AND p_extend_by < 'infinity'::float8) THEN
+        RAISE EXCEPTION 'p_extend_by must be a positive, finite number of seconds' USING ERRCODE = '22023';
+    END IF;
+    -- The run's row lock first, as every claim takes it: a claim racing this move waits for it (and then
+    -- judges the pause by its new deadline), or this waits for the claim and finds the run no longer paused.
+    WITH held AS (
+        SELECT r.id, r.revision FROM runs r
+         WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'paused'
+           FOR UPDATE
+    ), found AS (
+        SELECT s.id, s.expires_at AS old_deadline, h.revision FROM suspensions s JOIN held h ON h.id = s.run_id
+         WHERE s.app = p_app AND s.tenant = p_tenant AND s.id = p_suspension_id
+           FOR UPDATE OF s
+    ), moved AS (
+        UPDATE suspensions s
+           SET expires_at = CASE
+               WHEN p_extend_by IS NULL THEN LEAST(COALESCE(f.old_deadline, now()), now())
+               ELSE GREATEST(COALESCE(f.old_deadline, now()), now()) + make_interval(secs => p_extend_by)
+           END
+          FROM found f
+         WHERE s.id = f.id
+        RETURNING s.id, s.expires_at, f.old_deadline, f.revision
+    ), noted AS (
+        INSERT INTO run_events (event_id, run_id, app, tenant, kind, revision, data)
+        SELECT gen_random_uuid(), p_run_id, p_app, p_tenant, 'deadline_moved', m.revision,
+               jsonb_build_object('suspension_id', m.id, 'previous', m.old_deadline, 'expires_at', m.expires_at,
+                                  'moved_by', p_moved_by,
+                                  'how', CASE WHEN p_extend_by IS NULL THEN 'expire' ELSE 'extend' END,
+                                  'extend_by_seconds', p_extend_by)
+          FROM moved m
+    )
+    SELECT m.id, m.expires_at, m.old_deadline, m.revision INTO v_result FROM moved m;
+
+    IF v_result.id IS NOT NULL THEN
+        outcome := 'moved';
+        suspension_id := v_result.id;
+        run_revision := v_result.revision;
+        previous := v_result.old_deadline;
+        expires_at := v_result.expires_at;
+        RETURN;
+    END IF;
+    SELECT s.id, r.revision INTO suspension_id, run_revision
+      FROM runs r LEFT JOIN suspensions s ON s.run_id = r.id AND s.app = r.app AND s.tenant = r.tenant
+     WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'paused';
+    outcome := CASE WHEN suspension_id IS NULL THEN 'not_paused' ELSE 'pause_changed' END;
+END;
+$$;
+
+
+--
 -- Name: intermission_pause_run_v1(text, text, text, text, public.suspend_reason, jsonb, jsonb, text[], double precision, integer, bigint, jsonb, uuid, text, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1516,4 +1575,5 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (8, 'retention', 'fec842023816254a78af5ea6e9ad8ae6b1690d9a7fa00b8993a8e22fbcb2f79e'),
     (9, 'outbox_hold', 'afbffbae318298ff2d211eb5e108dc1abe590dc9c98ca5e56a935b31f69b2b6c'),
     (10, 'planner_proof_lookups', 'a6eb1a82f0ffe2b7f2a080b48118e1c150ec8a7e3ebb30e14609992c4de7561e'),
-    (11, 'handed_pauses_and_ends', 'f52259f88492a95c0344d97dc95eba86e220ad53b9450c7ab858a6fc967efe70');
+    (11, 'handed_pauses_and_ends', 'f52259f88492a95c0344d97dc95eba86e220ad53b9450c7ab858a6fc967efe70'),
+    (12, 'operations', '96108d076d579804604c2905fa0e340f439acec14a00bb4f377a610d99261f45');

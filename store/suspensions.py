@@ -45,6 +45,17 @@ class ClaimedPause:
     run: Run
 
 
+@dataclass(frozen=True)
+class MovedDeadline:
+    """A live pause whose deadline an operator moved: the deadline before (None: it had none) and after."""
+
+    run_id: str
+    suspension_id: int
+    run_revision: int
+    previous: datetime | None
+    expires_at: datetime
+
+
 def refusal(
     outcome: str,
     row: asyncpg.Record | Mapping[str, Any],
@@ -148,6 +159,32 @@ class SuspensionStore:
         async with self.db.connection() as con:
             found = await con.fetch("list_expired", self.scope.app, self.scope.tenant, now, bounded)
         return [rows.suspension_from_row(r) for r in found]
+
+    async def move_deadline(
+        self, run_id: str, suspension_id: int, *, extend_by: float | None, moved_by: str
+    ) -> MovedDeadline:
+        """An operator moves the live pause ``suspension_id`` of ``run_id``'s deadline: ``extend_by`` seconds
+        later (from now when it passed already or there was none), or to now with ``extend_by`` None (a
+        deadline that passed already stays). The run event ``deadline_moved`` records it, ``moved_by`` says
+        who. NotSuspended when the run is not paused here; RunConflict when it is paused on another pause."""
+        if extend_by is not None and not (math.isfinite(extend_by) and extend_by > 0):
+            raise InvalidArgument("extend_by must be a positive, finite number of seconds")
+        async with self.db.connection() as con:
+            row = await con.fetchrow(
+                "move_deadline", run_id, self.scope.app, self.scope.tenant, suspension_id, extend_by, moved_by
+            )
+        assert row is not None  # the function always returns its one row
+        if row["outcome"] == "not_paused":
+            raise NotSuspended(f"run {run_id} has no live pause at scope {self.scope}")
+        if row["outcome"] == "pause_changed":
+            raise RunConflict(f"run {run_id} is paused on suspension {row['suspension_id']}, not {suspension_id}")
+        return MovedDeadline(
+            run_id=run_id,
+            suspension_id=row["suspension_id"],
+            run_revision=row["run_revision"],
+            previous=row["previous"],
+            expires_at=row["expires_at"],
+        )
 
     async def claim_suspension(self, run_id: str) -> ClaimedPause:
         """The concurrency primitive for resume: paused -> running and the suspension read, atomically.

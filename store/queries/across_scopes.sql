@@ -139,3 +139,85 @@ SELECT *
 -- Which server a new pooled connection landed on, for the log line that says when the pool moved to another
 -- host (a multi-host DSN after a failover). NULL address: a Unix socket. No parameters
 SELECT host(inet_server_addr()) AS address, inet_server_port() AS port;
+
+-- find_run_scopes --
+-- Operators: the scopes a run id is found in, so that `intermission runs show RUN` needs no --app/--tenant
+-- when the id names one run. $1 run id
+SELECT app, tenant FROM runs WHERE id = $1 ORDER BY app, tenant;
+
+-- list_run_summaries --
+-- Operators (`intermission runs list`): runs newest change first, each with its live pause's reason and
+-- deadline (a paused run's), filtered by whichever of these is not NULL, after the keyset cursor ($8, $9)
+-- in that order. $1 app, $2 tenant, $3 state, $4 the live pause's reason, $5 unchanged for at least so many
+-- seconds, $6 a live pause's deadline within so many seconds from now (passed ones included), $7 limit,
+-- $8 cursor updated_at, $9 cursor id
+SELECT r.id, r.app, r.tenant, r.agent_id, r.state::text AS state, r.revision, r.lease_owner,
+       r.lease_expires_at, r.step_count, r.created_at, r.updated_at, r.ended_at,
+       s.id AS suspension_id, s.reason::text AS reason, s.expires_at
+  FROM runs r
+  LEFT JOIN suspensions s ON s.run_id = r.id AND s.app = r.app AND s.tenant = r.tenant AND r.state = 'paused'
+ WHERE ($1::text IS NULL OR r.app = $1::text)
+   AND ($2::text IS NULL OR r.tenant = $2::text)
+   AND ($3::run_state IS NULL OR r.state = $3::run_state)
+   AND ($4::suspend_reason IS NULL OR s.reason = $4::suspend_reason)
+   AND ($5::float8 IS NULL OR r.updated_at <= now() - make_interval(secs => $5::float8))
+   AND ($6::float8 IS NULL OR s.expires_at <= now() + make_interval(secs => $6::float8))
+   AND ($8::timestamptz IS NULL OR (r.updated_at, r.id) < ($8::timestamptz, $9::text))
+ ORDER BY r.updated_at DESC, r.id DESC
+ LIMIT $7;
+
+-- open_pauses --
+-- The metrics and doctor: live pauses of paused runs, by reason and by how long they have been open (a
+-- bounded set of age buckets). No parameters
+SELECT s.reason::text AS reason,
+       CASE WHEN s.created_at > now() - interval '1 minute' THEN 'under_1m'
+            WHEN s.created_at > now() - interval '1 hour' THEN '1m_to_1h'
+            WHEN s.created_at > now() - interval '1 day' THEN '1h_to_1d'
+            WHEN s.created_at > now() - interval '7 days' THEN '1d_to_7d'
+            ELSE 'over_7d' END AS age,
+       count(*) AS pauses
+  FROM suspensions s
+  JOIN runs r ON r.id = s.run_id AND r.app = s.app AND r.tenant = s.tenant AND r.state = 'paused'
+ GROUP BY 1, 2;
+
+-- pause_deadlines --
+-- The metrics and doctor: the earliest deadline of a live pause, and the earliest one that has passed while
+-- its run is still paused (what the sweepers have yet to expire), with how many have, by the database
+-- clock. No parameters
+SELECT min(s.expires_at) AS earliest,
+       min(s.expires_at) FILTER (WHERE s.expires_at <= now()) AS earliest_passed,
+       count(*) FILTER (WHERE s.expires_at <= now()) AS passed,
+       now() AS now
+  FROM suspensions s
+  JOIN runs r ON r.id = s.run_id AND r.app = s.app AND r.tenant = s.tenant AND r.state = 'paused'
+ WHERE s.expires_at IS NOT NULL;
+
+-- outbox_lag --
+-- The metrics and doctor: outbox rows the relays have yet to publish (quarantined ones are not among them),
+-- how long ago the oldest was written, and the quarantined rows. No parameters
+SELECT count(*) FILTER (WHERE quarantined_at IS NULL) AS pending,
+       extract(epoch FROM now() - min(created_at) FILTER (WHERE quarantined_at IS NULL))::float8 AS oldest_seconds,
+       count(*) FILTER (WHERE quarantined_at IS NOT NULL) AS quarantined
+  FROM outbox
+ WHERE sent_at IS NULL;
+
+-- stale_leases --
+-- Doctor: running runs whose lease lapsed more than $1 seconds ago (no worker took them over), oldest lapse
+-- first, at most $2, each with how many there are in all. $1 grace seconds, $2 limit
+SELECT id, app, tenant, lease_owner, extract(epoch FROM now() - lease_expires_at)::float8 AS lapsed_seconds,
+       count(*) OVER () AS total
+  FROM runs
+ WHERE state = 'running' AND lease_expires_at <= now() - make_interval(secs => $1::float8)
+ ORDER BY lease_expires_at
+ LIMIT $2;
+
+-- replication_status --
+-- Doctor: the standbys streaming from this server (pg_stat_replication, on a primary), with how far behind
+-- each replays, in bytes of WAL and in time; and whether this server is itself a standby. No parameters
+SELECT pg_is_in_recovery() AS in_recovery, application_name, client_addr::text AS client_addr, state,
+       sync_state,
+       CASE WHEN pg_is_in_recovery() THEN NULL
+            ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), replay_lsn)::float8 END AS lag_bytes,
+       extract(epoch FROM replay_lag)::float8 AS lag_seconds
+  FROM (SELECT 1) AS one
+  LEFT JOIN pg_stat_replication ON true;

@@ -113,3 +113,15 @@ SELECT run_id FROM (
  WHERE run_id COLLATE "C" > $3::text COLLATE "C"
  ORDER BY run_id COLLATE "C"
  LIMIT $4;
+
+-- list_run_admissions --
+-- Operators (`intermission runs show`): a run's agent-reply admissions at the exact scope, each with when it
+-- was started, expired or closed (NULL: not). $1 run_id, $2 app, $3 tenant
+SELECT a.suspension_id, a.pinned_revision, a.claimed_revision, a.admitted_at, st.started_at, ex.expired_at,
+       cl.closed_at
+  FROM resume_admissions a
+  LEFT JOIN resume_starts st ON st.run_id = a.run_id AND st.suspension_id = a.suspension_id
+  LEFT JOIN resume_expiries ex ON ex.run_id = a.run_id AND ex.suspension_id = a.suspension_id
+  LEFT JOIN resume_closures cl ON cl.run_id = a.run_id AND cl.suspension_id = a.suspension_id
+ WHERE a.run_id = $1 AND a.app = $2 AND a.tenant = $3
+ ORDER BY a.suspension_id;

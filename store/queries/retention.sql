@@ -22,12 +22,16 @@ WITH doomed AS (
 SELECT count(*) AS pruned FROM gone;
 
 -- prune_outbox --
--- One batch of sent outbox rows past retention, oldest first; unsent and quarantined rows are never taken.
--- $1 seconds, $2 batch size
+-- One batch of sent outbox rows past retention, oldest first; unsent and quarantined rows are never taken,
+-- nor the Notices of a run that is paused: `intermission notices replay` re-publishes a live pause's Notice
+-- under the message_id its row keeps. $1 seconds, $2 batch size
 WITH doomed AS (
     SELECT o.id
       FROM outbox o
      WHERE o.sent_at IS NOT NULL AND o.sent_at < now() - make_interval(secs => $1::float8)
+       AND NOT (o.routing_key LIKE 'notice.%' AND EXISTS (
+           SELECT 1 FROM runs r
+            WHERE r.id = o.run_id AND r.app = o.app AND r.tenant = o.tenant AND r.state = 'paused'))
      ORDER BY o.sent_at
      LIMIT $2::int
        FOR UPDATE SKIP LOCKED
@@ -75,7 +79,10 @@ SELECT (SELECT count(*) FROM ended) AS runs,
        (SELECT count(*) FROM demo_charges x WHERE x.run_id IN (SELECT id FROM ended)) AS demo_charges,
        (SELECT count(*) FROM inbox i WHERE i.recorded_at < now() - make_interval(secs => $2::float8)) AS inbox,
        (SELECT count(*) FROM outbox o
-         WHERE o.sent_at IS NOT NULL AND o.sent_at < now() - make_interval(secs => $3::float8)) AS outbox,
+         WHERE o.sent_at IS NOT NULL AND o.sent_at < now() - make_interval(secs => $3::float8)
+           AND NOT (o.routing_key LIKE 'notice.%' AND EXISTS (
+               SELECT 1 FROM runs r
+                WHERE r.id = o.run_id AND r.app = o.app AND r.tenant = o.tenant AND r.state = 'paused'))) AS outbox,
        (SELECT count(*) FROM session_messages s
          WHERE s.created_at < now() - make_interval(secs => $4::float8)
            AND NOT EXISTS (

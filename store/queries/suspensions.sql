@@ -76,3 +76,13 @@ SELECT a.n, c.outcome, c.revision AS r_revision, c.lease_owner AS r_lease_owner,
        a.checkpoint_state, a.decided_by, a.decision_reason, a.event_message_id, a.event_routing_key,
        a.event_body, a.event_correlation_id, a.event_headers, a.whole AND h.held) AS c
  ORDER BY a.n;
+
+-- move_deadline --
+-- An operator moves a live pause's deadline (intermission_move_deadline_v1, migration 0012): later by
+-- extend_by seconds, or to now with extend_by NULL, with the run event that records it. One row: the
+-- outcome ('moved', 'not_paused', 'pause_changed'), the pause's id, the run's revision, and the deadline
+-- before and after.
+SELECT m.outcome, m.suspension_id, m.run_revision, m.previous, m.expires_at
+  FROM intermission_move_deadline_v1(
+    p_run_id => $1, p_app => $2, p_tenant => $3, p_suspension_id => $4, p_extend_by => $5,
+    p_moved_by => $6) AS m;

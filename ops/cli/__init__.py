@@ -1,0 +1,16 @@
+"""The ``intermission`` command: one module per group of commands, all on the group of ``app.py``, which also
+says how every command ends (its exit codes) and how it speaks (tables for people, ``--json`` for scripts)."""
+
+from intermission.ops.cli import (  # noqa: F401 - each module adds its commands to ``main``
+    access,
+    dead_letters,
+    doctor,
+    notices,
+    outbox,
+    pauses,
+    processes,
+    runs,
+)
+from intermission.ops.cli.app import main
+
+__all__ = ["main"]

@@ -1,0 +1,116 @@
+"""Who may do what on the broker: ``users add``, ``grant``, ``revoke`` and ``grants``, over RabbitMQ's
+management HTTP API (``ops/grants.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import click
+
+from intermission.fleet.settings import Settings
+from intermission.ops.cli.app import emit_json, json_option, load_settings, main, run_or_exit, scope_of
+from intermission.ops.grants import BrokerGrants, rabbitmqctl_lines
+from intermission.schemas.scope import Scope
+
+T = TypeVar("T")
+
+
+async def _with_grants(settings: Settings, use: Callable[[BrokerGrants], Awaitable[T]]) -> T:
+    access = settings.management()
+    grants = BrokerGrants.connect(access.url, access.user, access.password, access.vhost)
+    try:
+        return await use(grants)
+    finally:
+        await grants.close()
+
+
+def _required_scope(app: str, tenant: str) -> Scope:
+    scope = scope_of(app, tenant)
+    assert scope is not None  # both options are required
+    return scope
+
+
+def _print_scopes(user: str, scopes: list[Scope]) -> None:
+    click.echo(f"{user}: {', '.join(str(s) for s in scopes) if scopes else 'no scope'}")
+
+
+@main.group("users")
+def users_group() -> None:
+    """RabbitMQ users for hosts and for the fleet's own identities."""
+
+
+@users_group.command("add")
+@click.argument("user")
+@click.option("--password", prompt=True, hide_input=True, confirmation_prompt=True, help="asked for when not given")
+@click.option("--trusted", is_flag=True, help="every scope: for workers, sweepers and the bus, never a host")
+def users_add_command(user: str, password: str, trusted: bool) -> None:
+    """Create the RabbitMQ user USER with no rights (a host, to be granted scopes with `grant`), or with
+    every right (--trusted). An existing user gets the new password and keeps its rights, unless --trusted."""
+    settings = load_settings()
+
+    async def run(grants: BrokerGrants) -> None:
+        created = await grants.add_user(user, password)
+        if trusted:
+            await grants.trust(user)
+        rights = "every scope" if trusted else "no scope yet (intermission grant)"
+        click.echo(f"{'created' if created else 'updated'} {user}: {rights}")
+
+    run_or_exit("users add", _with_grants(settings, run), settings)
+
+
+@main.command("grant")
+@click.argument("user")
+@click.option("--app", required=True)
+@click.option("--tenant", required=True)
+@click.option("--print", "print_only", is_flag=True, help="print the rabbitmqctl commands instead of applying them")
+def grant_command(user: str, app: str, tenant: str, print_only: bool) -> None:
+    """Let the RabbitMQ user USER act as a host for one more scope, and for nothing else."""
+    scope = _required_scope(app, tenant)
+    settings = load_settings()
+    if print_only:
+        for line in rabbitmqctl_lines(user, [scope], settings.management().vhost):
+            click.echo(line)
+        return
+
+    async def run() -> None:
+        _print_scopes(user, await _with_grants(settings, lambda g: g.grant(user, scope)))
+
+    run_or_exit("grant", run(), settings)
+
+
+@main.command("revoke")
+@click.argument("user")
+@click.option("--app", required=True)
+@click.option("--tenant", required=True)
+def revoke_command(user: str, app: str, tenant: str) -> None:
+    """Take one scope away from the RabbitMQ user USER; with none left it may do nothing at all."""
+    scope = _required_scope(app, tenant)
+    settings = load_settings()
+
+    async def run() -> None:
+        _print_scopes(user, await _with_grants(settings, lambda g: g.revoke(user, scope)))
+
+    run_or_exit("revoke", run(), settings)
+
+
+@main.command("grants")
+@click.argument("user", required=False)
+@json_option
+def grants_command(user: str | None, as_json: bool) -> None:
+    """The scopes each confined host user (or USER) may act for."""
+    settings = load_settings()
+
+    async def run() -> dict[str, list[Scope]]:
+        if user is not None:
+            return {user: await _with_grants(settings, lambda g: g.scopes(user))}
+        return await _with_grants(settings, lambda g: g.all_grants())
+
+    everyone = run_or_exit("grants", run(), settings)
+    if as_json:
+        emit_json({"grants": {name: [str(s) for s in scopes] for name, scopes in everyone.items()}})
+        return
+    for name in sorted(everyone):
+        _print_scopes(name, everyone[name])
+    if not everyone:
+        click.echo("no confined users")
