@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from intermission.fleet.logs import configure as configure_logs
 from intermission.fleet.settings import Settings
+from intermission.ops.console.command import console_command
 from intermission.ops.grants import BrokerGrants, rabbitmqctl_lines
 from intermission.publishers.amqp import connect
 from intermission.schemas.errors import IntermissionError, NotSuspended, ProgressNotFound
@@ -463,6 +464,8 @@ def grants_command(user: str | None) -> None:
 
     run_or_exit("grants", run())
 
+
+main.add_command(console_command)
 
 if __name__ == "__main__":
     main()
