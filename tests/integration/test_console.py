@@ -13,7 +13,6 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import pytest
@@ -21,14 +20,20 @@ import pytest
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker
 from intermission.publishers.clients import HostClient
-from intermission.schemas.config import PublicationPolicy, RunConfig
-from intermission.schemas.run import RunState
+from intermission.schemas.config import PublicationPolicy
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
 from tests.support.amqp import Broker
 from tests.support.confined import Confiner, Management
-from tests.support.console import Served, browsing, console_settings, csrf_of, log_in, serving
-from tests.support.fleet import start_command
+from tests.support.console import (
+    Served,
+    approval_pause,
+    browsing,
+    console_settings,
+    csrf_of,
+    log_in,
+    serving,
+)
 from tests.support.inspect import Inspector
 from tests.support.waiting import eventually
 
@@ -41,26 +46,6 @@ async def console(settings: Settings, management: Management, confiner: Confiner
     # After the confiner: the people's connections close with the console, before their users are deleted.
     async with serving(console_settings(settings, management)) as served:
         yield served
-
-
-async def approval_pause(
-    host: HostClient, stores: Stores, scope: Scope, approvers: list[str] | None = None, **config: Any
-) -> str:
-    """Start a run that pauses for an approval of send_email (decided by ``approvers`` when given); returns
-    its id once it is paused."""
-    run_config = RunConfig(approvers={"send_email": approvers} if approvers else {}, **config)
-    cmd = start_command(
-        scope, [{"call": [{"tool": "send_email", "arguments": EMAIL}]}, {"say": "sent"}], config=run_config
-    )
-    await host.start(cmd)
-
-    async def paused() -> bool:
-        async with stores.db.connection() as con:
-            state = await con.raw.fetchval("SELECT state::text FROM runs WHERE id = $1", cmd.run_id)
-        return bool(state == RunState.PAUSED.value)
-
-    await eventually(paused, within=WAIT, what=f"run {cmd.run_id} paused")
-    return cmd.run_id
 
 
 def decision_form(page: str, run_id: str) -> dict[str, str]:

@@ -13,6 +13,7 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import uvicorn
@@ -20,10 +21,19 @@ from pydantic import SecretStr
 
 from intermission.fleet.settings import Settings
 from intermission.ops.console.app import build_app
+from intermission.publishers.clients import HostClient
+from intermission.schemas.config import RunConfig
+from intermission.schemas.run import RunState
+from intermission.schemas.scope import Scope
+from intermission.store import Stores
 from tests.support.amqp import AmqpUser
 from tests.support.confined import Management
+from tests.support.fleet import start_command
+from tests.support.waiting import eventually
 
 START_SECONDS = 15.0
+PAUSE_SECONDS = 20.0
+EMAIL = {"to": "cfo@example.com", "subject": "Q3 numbers", "body": "attached"}
 _CSRF = re.compile(r'name="csrf" value="([^"]+)"')
 
 
@@ -77,6 +87,39 @@ async def serving(settings: Settings) -> AsyncIterator[Served]:
         server.should_exit = True
         await task
         listener.close()
+
+
+async def approval_pause(
+    host: HostClient,
+    stores: Stores,
+    scope: Scope,
+    approvers: list[str] | None = None,
+    *,
+    run_id: str | None = None,
+    arguments: dict[str, Any] | None = None,
+    pause_ttl_seconds: int | None = None,
+    **config: Any,
+) -> str:
+    """Start a run that pauses for an approval of send_email (decided by ``approvers`` when given); returns
+    its id once it is paused."""
+    run_config = RunConfig(approvers={"send_email": approvers} if approvers else {}, **config)
+    turns: list[dict[str, Any]] = [{"call": [{"tool": "send_email", "arguments": arguments or EMAIL}]}, {"say": "sent"}]
+    cmd = start_command(
+        scope,
+        turns,
+        config=run_config,
+        pause_ttl_seconds=pause_ttl_seconds,
+        **({"run_id": run_id} if run_id else {}),
+    )
+    await host.start(cmd)
+
+    async def paused() -> bool:
+        async with stores.db.connection() as con:
+            state = await con.raw.fetchval("SELECT state::text FROM runs WHERE id = $1", cmd.run_id)
+        return bool(state == RunState.PAUSED.value)
+
+    await eventually(paused, within=PAUSE_SECONDS, what=f"run {cmd.run_id} paused")
+    return cmd.run_id
 
 
 def csrf_of(html: str) -> str:
