@@ -101,7 +101,7 @@ def scopes_of(commands_write: str) -> list[Scope]:
     return scopes
 
 
-def _matches(pattern: str, resource: str) -> bool:
+def permits(pattern: str, resource: str) -> bool:
     """Whether RabbitMQ's permission ``pattern`` lets a user at ``resource``: it searches the name with the
     regular expression (unanchored unless the pattern anchors itself), and an empty pattern matches
     nothing. A pattern Python's ``re`` cannot read matches nothing here: a person is shown too little
@@ -188,7 +188,7 @@ class BrokerGrants:
             return Reach()
         if permissions.status_code >= 400:
             raise ManagementError(f"reading {user}'s permissions: {permissions.status_code} {permissions.text[:300]}")
-        return Reach(every_scope=_matches(str(permissions.json().get("write", "")), COMMANDS_EXCHANGE))
+        return Reach(every_scope=permits(str(permissions.json().get("write", "")), COMMANDS_EXCHANGE))
 
     async def all_grants(self) -> dict[str, list[Scope]]:
         """Every user with a topic permission on ``intermission.commands`` in this vhost, and its scopes."""
