@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Final
 
+import httpx
 from aio_pika.abc import AbstractRobustConnection
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from pydantic import ValidationError
@@ -169,8 +170,13 @@ class Console:
         return self._stores
 
     async def read_reach(self, user: str) -> Reach:
+        """What the broker grants ``user`` now; ManagementError when the management API cannot say (the
+        person is then shown nothing new rather than a guess)."""
         assert self._grants is not None, "the console is not running"
-        return await self._grants.reach(user)
+        try:
+            return await self._grants.reach(user)
+        except httpx.HTTPError as exc:
+            raise ManagementError(f"the management API did not answer: {type(exc).__name__}") from exc
 
     # --- helpers --------------------------------------------------------------------------------------
 
@@ -215,10 +221,16 @@ class Console:
         if session is None:
             return self.to_login(request)
         try:
-            await session.current_reach()
+            reach = await session.current_reach()
         except ManagementError as exc:
             log.warning("console grants unreadable", extra={"action": "console_grants_unreadable", "error": str(exc)})
             return self.problem(request, 503, "Grants unreadable", "The broker's grants could not be read.", session)
+        if reach.is_empty:
+            # Revoked to nothing (or deleted): such a user could not log in now, so the session ends too.
+            await self.sessions.end(session.id)
+            request.session.clear()
+            log.info("console session revoked", extra={"action": "console_session_revoked", "user": session.user})
+            return RedirectResponse("/login", status_code=303)
         return await page(session)
 
     # --- pages ----------------------------------------------------------------------------------------
@@ -348,7 +360,10 @@ class Console:
             )
         except ValidationError:
             return self.problem(request, 400, "Not a decision", "The form did not describe a decision.", session)
-        reach = await session.current_reach()
+        try:
+            reach = await session.current_reach()
+        except ManagementError:
+            return self.problem(request, 503, "Grants unreadable", "The broker's grants could not be read.", session)
         if not reach.covers(command.scope):
             # The broker would refuse it too (the key is not the person's); say so without trying.
             return self.problem(request, 403, "Not your scope", f"You may not act for {command.scope}.", session)

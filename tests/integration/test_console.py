@@ -283,3 +283,39 @@ async def test_the_event_stream_tells_a_page_when_a_run_pauses_in_the_persons_sc
                             break
     async with browsing(console.url) as anonymous:
         assert (await anonymous.get("/events")).status_code == 401
+
+
+async def test_a_session_follows_the_grants_and_ends_when_the_last_scope_is_revoked(
+    console: Served,
+    worker: Worker,
+    host: HostClient,
+    stores: Stores,
+    confiner: Confiner,
+    management: Management,
+    scope: Scope,
+    other_scope: Scope,
+) -> None:
+    user = await confiner.confined(scope, prefix="alice")
+    theirs = await approval_pause(host, stores, other_scope)
+    grants = management.grants(confiner.vhost.name)
+    try:
+        async with browsing(console.url) as client:
+            await log_in(client, user)
+            assert theirs not in (await client.get("/inbox")).text
+            await grants.grant(user.name, other_scope)
+
+            async def shown() -> bool:
+                return theirs in (await client.get("/inbox")).text
+
+            # The grants are read again every few seconds: a new scope shows without logging in again.
+            await eventually(shown, within=WAIT, what="the granted scope's pause shown")
+            await grants.revoke(user.name, other_scope)
+            await grants.revoke(user.name, scope)
+
+            async def ended() -> bool:
+                return (await client.get("/inbox")).status_code == 303
+
+            await eventually(ended, within=WAIT, what="the session ended")
+            assert (await client.get("/inbox")).headers["location"] == "/login"
+    finally:
+        await grants.close()
