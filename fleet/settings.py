@@ -133,6 +133,16 @@ class Settings(BaseSettings):
     management_url: str = "http://localhost:15672"
     management_user: str | None = None
     management_password: SecretStr | None = None
+    # The web console (`intermission console`, ops/console/). The key that signs its session cookie: unset, a
+    # random one is made at every start (sessions live in the console's memory, with each person's AMQP
+    # connection, so a restart ends them anyway).
+    console_secret: SecretStr | None = None
+    # A console session ends after this long without a request (its AMQP connection is closed then), and
+    # after console_session_max_seconds whatever happens.
+    console_idle_seconds: float = Field(default=1800.0, gt=0)
+    console_session_max_seconds: float = Field(default=12 * 3600.0, gt=0)
+    # Send the session cookie only over HTTPS (Secure): on whenever a TLS proxy serves the console.
+    console_https_only: bool = False
 
     def management(self) -> ManagementAccess:
         """Where and as whom the grant commands reach the management API, and for which vhost."""

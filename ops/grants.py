@@ -30,7 +30,7 @@ from urllib.parse import quote
 import httpx
 
 from intermission.schemas.errors import InvalidArgument
-from intermission.schemas.scope import Scope
+from intermission.schemas.scope import Reach, Scope
 from intermission.wire import COMMANDS_EXCHANGE, EVENTS_EXCHANGE
 
 _ALTERNATION = re.compile(r"^\(\?:(?P<scopes>.*)\)\$$")
@@ -101,6 +101,19 @@ def scopes_of(commands_write: str) -> list[Scope]:
     return scopes
 
 
+def permits(pattern: str, resource: str) -> bool:
+    """Whether RabbitMQ's permission ``pattern`` lets a user at ``resource``: it searches the name with the
+    regular expression (unanchored unless the pattern anchors itself), and an empty pattern matches
+    nothing. A pattern Python's ``re`` cannot read matches nothing here: a person is shown too little
+    rather than too much."""
+    if not pattern:
+        return False
+    try:
+        return re.search(pattern, resource) is not None
+    except re.error:
+        return False
+
+
 def _unescape(escaped: str) -> str:
     return re.sub(r"\\(.)", r"\1", escaped)
 
@@ -156,6 +169,26 @@ class BrokerGrants:
             if entry.get("exchange") == COMMANDS_EXCHANGE:
                 return scopes_of(str(entry.get("write", "")))
         return []
+
+    async def reach(self, user: str) -> Reach:
+        """What ``user`` may act for on this vhost, as the broker enforces it: exactly the scopes of its
+        topic permission on ``intermission.commands`` when it has one (what ``grant`` writes; none when it
+        was revoked to nothing), every scope when it may write to ``intermission.commands`` with no topic
+        permission there (what ``trust`` gives), and nothing when it has no permissions on the vhost or may
+        not write to the exchange. A topic permission ``grant`` did not write is a ManagementError: refused
+        rather than guessed at."""
+        topics = await self._client.get(self._path("topic-permissions", self.vhost, user))
+        if topics.status_code >= 400 and topics.status_code != 404:
+            raise ManagementError(f"reading {user}'s permissions: {topics.status_code} {topics.text[:300]}")
+        for entry in topics.json() if topics.status_code == 200 else []:
+            if entry.get("exchange") == COMMANDS_EXCHANGE:
+                return Reach(scopes=tuple(scopes_of(str(entry.get("write", "")))))
+        permissions = await self._client.get(self._path("permissions", self.vhost, user))
+        if permissions.status_code == 404:
+            return Reach()
+        if permissions.status_code >= 400:
+            raise ManagementError(f"reading {user}'s permissions: {permissions.status_code} {permissions.text[:300]}")
+        return Reach(every_scope=permits(str(permissions.json().get("write", "")), COMMANDS_EXCHANGE))
 
     async def all_grants(self) -> dict[str, list[Scope]]:
         """Every user with a topic permission on ``intermission.commands`` in this vhost, and its scopes."""

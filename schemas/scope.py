@@ -52,3 +52,21 @@ def require_scope(scope: Any) -> Scope:
         if not isinstance(part, str) or _SCOPE_PART.fullmatch(part) is None:
             raise InvalidScope(f"scope {part_name} must match {SCOPE_PART_PATTERN}")
     return scope
+
+
+class Reach(Model):
+    """The scopes a person may see and act for, as the broker grants them: every scope (an identity trusted
+    with the whole vhost), or exactly ``scopes`` (a user confined by ``intermission grant``; none at all when
+    it was granted nothing). The web console restricts every read to it, in SQL."""
+
+    model_config = Model.model_config | {"frozen": True, "extra": "forbid"}
+
+    every_scope: bool = False
+    scopes: tuple[Scope, ...] = ()
+
+    def covers(self, scope: Scope) -> bool:
+        return self.every_scope or scope in self.scopes
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.every_scope and not self.scopes

@@ -4,7 +4,8 @@ caller's exact scope.
 ``Stores`` is one pool's worth of it. ``stores.at(scope)`` is a handle bound to one scope, checked once,
 whose aggregates (runs, suspensions, progress, resume evidence, sessions) work only there; a command store
 takes each command's own scope from its body; ``stores.across_scopes`` holds every read that crosses
-scopes, and nothing else does.
+scopes for the fleet's own processes, and ``stores.granted(reach)`` the web console's reads, restricted in
+SQL to the scopes the broker grants the person logged in; nothing else crosses scopes.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from intermission.schemas.scope import Scope, require_scope
+from intermission.schemas.scope import Reach, Scope, require_scope
 from intermission.store.across_scopes import AcrossScopes
 from intermission.store.commands import CommandStore
 from intermission.store.db import Database
+from intermission.store.granted import GrantedReads
 from intermission.store.ledger import DemoLedger
 from intermission.store.progress import ProgressStore
 from intermission.store.resume import ResumeStore
@@ -71,6 +73,10 @@ class Stores:
     def at(self, scope: Scope) -> ScopedStores:
         """The store at ``scope`` (InvalidScope when it is not a valid scope)."""
         return ScopedStores(self.db, scope)
+
+    def granted(self, reach: Reach) -> GrantedReads:
+        """The web console's reads for a person whose broker grants reach ``reach``."""
+        return GrantedReads(self.db, reach)
 
     @classmethod
     async def connect(

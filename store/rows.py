@@ -88,6 +88,11 @@ def _load_list(adapter: TypeAdapter[T], raw: str, what: str) -> T:
         raise InvalidContinuation(f"stored {what} is malformed: {exc.error_count()} error(s)") from exc
 
 
+def load_pending(raw: str) -> list[PendingCall]:
+    """A stored pause's pending calls (its ``pending`` column)."""
+    return _load_list(PENDING, raw, "pending calls")
+
+
 def run_from_row(row: asyncpg.Record, prefix: str = "") -> Run:
     def col(name: str) -> Any:
         return row[prefix + name]

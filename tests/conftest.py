@@ -32,7 +32,7 @@ TESTS = Path(__file__).resolve().parent
 pytest_plugins = ["tests.support.amqp", "tests.support.confined"]
 
 # Each folder is a tier, marked as such: run one with -m (``-m "not soak"``, ``-m unit``).
-TIERS = {"unit", "integration", "acceptance", "soak", "bench", "cluster"}
+TIERS = {"unit", "integration", "acceptance", "soak", "bench", "cluster", "browser"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -12,5 +12,8 @@ from intermission.ops.cli import (  # noqa: F401 - each module adds its commands
     runs,
 )
 from intermission.ops.cli.app import main
+from intermission.ops.console.command import console_command
+
+main.add_command(console_command)
 
 __all__ = ["main"]
