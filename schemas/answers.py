@@ -137,23 +137,21 @@ def validate_results(pending: list[PendingCall], results: list[ToolAnswer]) -> l
     return [by_id[call.id] for call in pending]
 
 
-def results_done(results: list[ToolAnswer]) -> list[ProgressResult]:
-    """A host's results as the first snapshot's ``done``, in the order given."""
-    return [
-        ProgressResult(
-            call_id=a.call_id,
-            content=a.content,
-            error=a.error or "",
-            outcome=ToolOutcome.FAILED if a.error else ToolOutcome.COMPLETED,
-        )
-        for a in results
-    ]
-
-
 def results_progress(suspension: Suspension, results: list[ToolAnswer], owner: str) -> Progress:
     ordered = validate_results(suspension.pending, results)
     return Progress(
-        run_id=suspension.run_id, owner=owner, continuation=suspension.continuation, done=results_done(ordered)
+        run_id=suspension.run_id,
+        owner=owner,
+        continuation=suspension.continuation,
+        done=[
+            ProgressResult(
+                call_id=a.call_id,
+                content=a.content,
+                error=a.error or "",
+                outcome=ToolOutcome.FAILED if a.error else ToolOutcome.COMPLETED,
+            )
+            for a in ordered
+        ],
     )
 
 

@@ -5,26 +5,17 @@ Consumers (RabbitMQ) and the in-process control of the tests both apply commands
 so there is one implementation of every effect. A command names its own scope (its body's, which the
 consumer checked), so the command store is not bound to one.
 
-A command that answers a pause is CHECKED in two round trips. The first reads, at the command's exact
-scope, the run, its live pause and what the inbox holds for the command's message_id (a key within that
-scope); the command is checked against that pause (who may answer it, whether the answers fit). The second
-is the transition (``intermission_claim_pause_v2`` with the command's parts), pinned to the pause and
-revision that were read: a pause row never changes after the transaction that wrote it, and a run row does
-not change without its revision changing, so what was checked is exactly what is claimed. A refusal at
-either step writes nothing, not even the inbox record.
-
-A host's results (``run.resume``) first try ONE round trip: the claim itself, made UNREAD, with every
-check stated as the claim's conditions (the pinned pause, its reason, its pending calls exactly the
-answered ones in the answers' order: migration 0013), and the run and pause it claimed handed back. A
-refusal the claim classifies itself (no such pause, another pause, expired) is the command's, as the
-checked claim's would be; one whose error needs the pause (the wrong reason, answers that do not fit)
-goes the checked way, which names it exactly (or claims, when the answers merely came in another order
-than the calls): the unread conditions are never looser than the checks.
+A command that answers a pause takes two round trips. The first reads, at the command's exact scope, the
+run, its live pause and what the inbox holds for the command's message_id (a key within that scope); the
+command is checked against that pause (who may answer it, whether the answers fit). The second is the
+transition (``intermission_claim_pause_v1`` with the command's parts), pinned to the pause and revision
+that were read: a pause row never changes after the transaction that wrote it, and a run row does not
+change without its revision changing, so what was checked is exactly what is claimed. A refusal at either
+step writes nothing, not even the inbox record.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -37,7 +28,6 @@ from intermission.schemas.answers import (
     decision_progress,
     ending_progress,
     reply_progress,
-    results_done,
     results_progress,
 )
 from intermission.schemas.commands import (
@@ -62,16 +52,7 @@ from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.resume import ResumeAdmissionRequest
 from intermission.schemas.run import Lease, NewRun, Run, RunState
 from intermission.schemas.scope import Scope, require_scope
-from intermission.schemas.suspension import (
-    ClaimVersion,
-    Continuation,
-    Ending,
-    EndingKind,
-    Progress,
-    ProgressResult,
-    SuspendReason,
-    Suspension,
-)
+from intermission.schemas.suspension import ClaimVersion, Continuation, Ending, EndingKind, Progress, Suspension
 from intermission.store import outbox, rows
 from intermission.store.db import Conn, Database
 from intermission.store.inbox import AlreadyApplied, Receipt, inbox_arguments
@@ -165,17 +146,6 @@ class Answer:
 
 
 @dataclass(frozen=True)
-class Unread:
-    """A claim stated without reading the pause first: the pause it pins, the reason the pause must have,
-    its pending calls' ids in order (exactly those the command answers), and the first snapshot's ``done``."""
-
-    version: ClaimVersion
-    reason: SuspendReason
-    call_ids: list[str]
-    done: list[ProgressResult]
-
-
-@dataclass(frozen=True)
 class AnswerRequest:
     """A command that answers a pause, ready for its transition: where it acts, under which lease, with
     which inbox receipt, and the check that turns what its read found into the claim to make."""
@@ -188,8 +158,6 @@ class AnswerRequest:
     check: Callable[[Scope, Stored], Answer]
     # The checkpoint a decision names, read with the run.
     checkpoint_id: int | None = None
-    # The claim to try first, unread (None: the command is always checked).
-    unread: Unread | None = None
 
 
 @dataclass(frozen=True)
@@ -256,12 +224,7 @@ class CommandStore:
             check_authority(Source.HOST, pause)
             return Answer(cmd.version, results_progress(pause, cmd.results, lease.owner), pause)
 
-        # Only a host answers an external_tool pause (check_authority), and its results must be the pause's
-        # pending calls one to one (results_progress): in the calls' own order, that is a claim condition.
-        unread = Unread(
-            cmd.version, SuspendReason.EXTERNAL_TOOL, [r.call_id for r in cmd.results], results_done(cmd.results)
-        )
-        return _request(cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check, unread=unread)
+        return _request(cmd.scope, cmd.version.run_id, lease, receipt, correlation_id, check)
 
     async def decide(
         self,
@@ -405,33 +368,20 @@ class CommandStore:
         and nothing of the batch is written."""
         results: list[Claimed | Exception | None] = [None] * len(requests)
         async with self.db.connection() as con:
-            unread = [i for i, request in enumerate(requests) if request.unread is not None]
-            if unread:
-                # None: refused unread, which says nothing yet; the checked path below says why.
-                for i, outcome in zip(
-                    unread, await self._claim_unread(con, [requests[i] for i in unread]), strict=True
-                ):
-                    results[i] = outcome
-            checked = [i for i, result in enumerate(results) if result is None]
-            if checked:
-                keys = [
-                    (requests[i].scope, requests[i].run_id, requests[i].receipt, requests[i].checkpoint_id)
-                    for i in checked
-                ]
-                claiming: list[tuple[int, _Claiming]] = []
-                for i, stored in zip(checked, await self._read_all(con, keys), strict=True):
-                    if isinstance(stored, Exception):
-                        results[i] = stored
-                        continue
-                    request = requests[i]
-                    try:
-                        claiming.append((i, _Claiming(request, stored, request.check(request.scope, stored))))
-                    except Exception as refused:  # the command's own refusal (or its bug), not the batch's
-                        results[i] = refused
-                claimed = await self._claim_all(con, [c for _, c in claiming])
-                for (i, _), outcome in zip(claiming, claimed, strict=True):
-                    results[i] = outcome
-        assert all(r is not None for r in results)  # every command was claimed, or read then refused or claimed
+            found = await self._read_all(con, [(r.scope, r.run_id, r.receipt, r.checkpoint_id) for r in requests])
+            claiming: list[tuple[int, _Claiming]] = []
+            for i, (request, stored) in enumerate(zip(requests, found, strict=True)):
+                if isinstance(stored, Exception):
+                    results[i] = stored
+                    continue
+                try:
+                    claiming.append((i, _Claiming(request, stored, request.check(request.scope, stored))))
+                except Exception as refused:  # the command's own refusal (or its bug), not the batch's
+                    results[i] = refused
+            claimed = await self._claim_all(con, [c for _, c in claiming])
+        for (i, _), outcome in zip(claiming, claimed, strict=True):
+            results[i] = outcome
+        assert all(r is not None for r in results)  # every command was read, then refused or claimed
         return [r for r in results if r is not None]
 
     @staticmethod
@@ -505,33 +455,40 @@ class CommandStore:
 
     @staticmethod
     async def _claim_all(con: Conn, claims: Sequence[_Claiming]) -> list[Claimed | Exception]:
-        """The transitions of checked ``claims``, in ONE statement, so they commit together; each claim's
-        outcome is its own."""
+        """The transitions of ``claims``, in ONE statement (``claim_pause`` for one, ``claim_pauses`` for
+        more), so they commit together; each claim's outcome is its own. The run.resumed events of the
+        claims that succeed are known whole here, so where the database hands events over they are handed
+        over (``Conn.hand_over``): published from memory after the commit, their rows held for the relays."""
         if not claims:
             return []
-        events = [_resumed(c.request, c.answer.version) if c.answer.announce else None for c in claims]
+        events = [_event(c) for c in claims]
         arguments = [_claim_arguments(c, event) for c, event in zip(claims, events, strict=True)]
-        found = await _claim_statement(con, [c.request for c in claims], arguments, events)
-        return [_claimed(c, row) for c, row in zip(claims, found, strict=True)]
-
-    @staticmethod
-    async def _claim_unread(con: Conn, requests: Sequence[AnswerRequest]) -> list[Claimed | Exception | None]:
-        """The unread claims of ``requests`` (each has ``unread``), in ONE statement. Each outcome: the run it
-        claimed; AlreadyApplied or MessageIdConflict for a message_id recorded before (the inbox decides
-        that whatever the pause); the refusal the claim classified under its locks (no such pause, another
-        pause, expired), as the checked claim would have; or None for a refusal whose error needs the pause
-        (its reason, the call the answers miss), for the checked path to name."""
-        if not requests:
-            return []
-        events: list[outbox.OutboxEvent | None] = []
-        arguments: list[dict[str, Any]] = []
-        for request in requests:
-            assert request.unread is not None
-            event = _resumed(request, request.unread.version)
-            events.append(event)
-            arguments.append(_unread_arguments(request, request.unread, event))
-        found = await _claim_statement(con, requests, arguments, events)
-        return [_claimed_unread(request, row) for request, row in zip(requests, found, strict=True)]
+        if len(claims) == 1:
+            row = await con.fetchrow("claim_pause", **arguments[0], outbox_hold=con.outbox_hold)
+            assert row is not None
+            found = [row]
+        else:
+            # Sorted by run, so that concurrent batches lock the runs they share in the same order.
+            order = sorted(
+                range(len(claims)),
+                key=lambda i: (claims[i].request.scope.app, claims[i].request.scope.tenant, claims[i].request.run_id),
+            )
+            columns = [[arguments[i][name] for i in order] for name in _CLAIM_ARGUMENTS]
+            by_position = await con.fetch("claim_pauses", *columns, con.outbox_hold)
+            assert len(by_position) == len(claims)  # one row per claim, in the arrays' order
+            found = [by_position[0]] * len(claims)
+            for position, i in enumerate(order):
+                found[i] = by_position[position]
+        outcomes = [_claimed(c, row) for c, row in zip(claims, found, strict=True)]
+        if con.outbox_hold is not None:
+            con.hand_over(
+                [
+                    event
+                    for event, row in zip(events, found, strict=True)
+                    if event is not None and row["outcome"] == "claimed"
+                ]
+            )
+        return outcomes
 
     async def reply(
         self, cmd: ReplyCommand, lease: Lease, *, receipt: Receipt | None = None, correlation_id: str | None = None
@@ -610,110 +567,21 @@ def _request(
     check: Callable[[Scope, Stored], Answer],
     *,
     checkpoint_id: int | None = None,
-    unread: Unread | None = None,
 ) -> AnswerRequest:
     """A checked-up request: the scope is one, the lease whole (no I/O before either holds)."""
     check_lease(lease)
-    return AnswerRequest(require_scope(scope), run_id, lease, receipt, correlation_id, check, checkpoint_id, unread)
+    return AnswerRequest(require_scope(scope), run_id, lease, receipt, correlation_id, check, checkpoint_id)
 
 
-def _resumed(request: AnswerRequest, version: ClaimVersion) -> outbox.OutboxEvent:
+def _event(claim: _Claiming) -> outbox.OutboxEvent | None:
     """The run.resumed a claim announces (its revision is known: the claim is pinned to the one before)."""
+    request, version = claim.request, claim.answer.version
+    if not claim.answer.announce:
+        return None
     resumed = RunEvent(
         kind=RunEventKind.RESUMED, run_id=request.run_id, revision=version.run_revision + 1, scope=request.scope
     )
     return outbox.run_event(resumed, request.correlation_id)
-
-
-async def _claim_statement(
-    con: Conn,
-    requests: Sequence[AnswerRequest],
-    arguments: Sequence[dict[str, Any]],
-    events: Sequence[outbox.OutboxEvent | None],
-) -> list[Any]:
-    """The claims, one per request with its named arguments (but the outbox hold), in ONE statement
-    (``claim_pause`` for one, ``claim_pauses`` for more): one row each, in ``requests``' order. The
-    run.resumed events of the claims that succeed are known whole here, so where the database hands events
-    over they are handed over (``Conn.hand_over``): published from memory after the commit, their rows held
-    for the relays."""
-    if len(requests) == 1:
-        row = await con.fetchrow("claim_pause", **arguments[0], outbox_hold=con.outbox_hold)
-        assert row is not None
-        found = [row]
-    else:
-        # Sorted by run, so that concurrent batches lock the runs they share in the same order.
-        order = sorted(
-            range(len(requests)),
-            key=lambda i: (requests[i].scope.app, requests[i].scope.tenant, requests[i].run_id),
-        )
-        columns = [[arguments[i][name] for i in order] for name in _CLAIM_ARGUMENTS]
-        by_position = await con.fetch("claim_pauses", *columns, con.outbox_hold)
-        assert len(by_position) == len(requests)  # one row per claim, in the arrays' order
-        found = [by_position[0]] * len(requests)
-        for position, i in enumerate(order):
-            found[i] = by_position[position]
-    if con.outbox_hold is not None:
-        con.hand_over(
-            [
-                event
-                for event, row in zip(events, found, strict=True)
-                if event is not None and row["outcome"] == "claimed"
-            ]
-        )
-    return found
-
-
-def _unread_arguments(request: AnswerRequest, unread: Unread, event: outbox.OutboxEvent) -> dict[str, Any]:
-    """An unread claim's named arguments, but for the outbox hold: the first snapshot is the claimed pause's
-    continuation with ``unread.done``, and the run and pause come back to make the Claimed of."""
-    named = claim_arguments(
-        request.scope,
-        request.run_id,
-        version=unread.version,
-        lease=request.lease,
-        drop_pause=True,
-        receipt=request.receipt,
-        event=event,
-        rows=True,
-    )
-    named.update(
-        reason=unread.reason.value,
-        first=True,
-        first_done=rows.dump_list(rows.DONE, unread.done),
-        pending_ids=json.dumps(unread.call_ids),
-    )
-    del named["outbox_hold"]
-    return named
-
-
-# Refusals of an unread claim whose error needs the pause (which reason it has, which call the answers miss):
-# the checked path reads it and says so.
-_UNREAD_UNSAID = frozenset({"wrong_reason", "answers_mismatch"})
-
-
-def _claimed_unread(request: AnswerRequest, row: Any) -> Claimed | Exception | None:
-    """An unread claim's outcome (see ``CommandStore._claim_unread``)."""
-    outcome = row["outcome"]
-    try:
-        if request.receipt is not None:
-            request.receipt.refuse(outcome)
-    except Exception as recorded:
-        return recorded
-    if outcome in _UNREAD_UNSAID:
-        return None
-    if outcome != "claimed":
-        # Refused by the claim's own conditions, classified under its locks as the checked claim would be.
-        assert request.unread is not None
-        return refusal(outcome, row, request.scope, request.run_id, version=request.unread.version)
-    try:
-        stored = Stored(run=rows.run_from_row(row["run"]), pause=rows.suspension_from_row(row["pause"]))
-        # What the claim's conditions already proved: the check passes, and builds the first snapshot.
-        answer = request.check(request.scope, stored)
-    except Exception as unreadable:
-        # Committed, but its run or pause does not decode: nobody continues the run, its lease lapses and
-        # the reclaim sweep quarantines it (docs/architecture.md); the command is refused with the reason.
-        return unreadable
-    return _claimed(_Claiming(request, stored, answer), row)
 
 
 def _claim_arguments(claim: _Claiming, event: outbox.OutboxEvent | None) -> dict[str, Any]:

@@ -320,44 +320,6 @@ $$;
 
 
 --
--- Name: intermission_claim_pause_v2(text, text, text, bigint, bigint, timestamp with time zone, public.suspend_reason, text, double precision, boolean, jsonb, jsonb, jsonb, jsonb, jsonb, boolean, text, text, text, bigint, text, text, text, uuid, text, text, text, jsonb, boolean, jsonb); Type: FUNCTION; Schema: public; Owner: -
---
-
-CREATE FUNCTION public.intermission_claim_pause_v2(p_run_id text, p_app text, p_tenant text, p_suspension_id bigint, p_revision bigint, p_expired_by timestamp with time zone, p_reason public.suspend_reason, p_lease_owner text, p_lease_ttl double precision, p_first boolean, p_first_continuation jsonb, p_first_started jsonb, p_first_done jsonb, p_first_ending jsonb, p_first_approved jsonb, p_drop_pause boolean, p_message_id text, p_routing_key text, p_digest text, p_checkpoint_id bigint, p_checkpoint_state text, p_decided_by text, p_decision_reason text, p_event_message_id uuid, p_event_routing_key text, p_event_body text, p_event_correlation_id text, p_event_headers jsonb, p_rows boolean, p_pending_ids jsonb, OUT outcome text, OUT revision bigint, OUT lease_owner text, OUT lease_expires_at timestamp with time zone, OUT updated_at timestamp with time zone, OUT suspension_id bigint, OUT expires_at timestamp with time zone, OUT first_updated_at timestamp with time zone, OUT run public.runs, OUT pause public.suspensions) RETURNS record
-    LANGUAGE plpgsql
-    AS $_$
-DECLARE
-    v_claim record;
-BEGIN
-    IF p_pending_ids IS NOT NULL AND EXISTS (
-        SELECT 1 FROM suspensions s
-         WHERE s.id = p_suspension_id AND s.run_id = p_run_id AND s.app = p_app AND s.tenant = p_tenant
-           AND jsonb_path_query_array(s.pending, '$[*].id') IS DISTINCT FROM p_pending_ids
-    ) THEN
-        outcome := 'answers_mismatch';
-        RETURN;
-    END IF;
-    SELECT * INTO v_claim FROM intermission_claim_pause_v1(
-        p_run_id, p_app, p_tenant, p_suspension_id, p_revision, p_expired_by, p_reason, p_lease_owner,
-        p_lease_ttl, p_first, p_first_continuation, p_first_started, p_first_done, p_first_ending,
-        p_first_approved, p_drop_pause, p_message_id, p_routing_key, p_digest, p_checkpoint_id,
-        p_checkpoint_state, p_decided_by, p_decision_reason, p_event_message_id, p_event_routing_key,
-        p_event_body, p_event_correlation_id, p_event_headers, p_rows);
-    outcome := v_claim.outcome;
-    revision := v_claim.revision;
-    lease_owner := v_claim.lease_owner;
-    lease_expires_at := v_claim.lease_expires_at;
-    updated_at := v_claim.updated_at;
-    suspension_id := v_claim.suspension_id;
-    expires_at := v_claim.expires_at;
-    first_updated_at := v_claim.first_updated_at;
-    run := v_claim.run;
-    pause := v_claim.pause;
-END;
-$_$;
-
-
---
 -- Name: intermission_create_pause_v1(text, text, text, public.suspend_reason, jsonb, jsonb, timestamp with time zone, double precision, bigint, text[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1614,5 +1576,4 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (9, 'outbox_hold', 'afbffbae318298ff2d211eb5e108dc1abe590dc9c98ca5e56a935b31f69b2b6c'),
     (10, 'planner_proof_lookups', 'a6eb1a82f0ffe2b7f2a080b48118e1c150ec8a7e3ebb30e14609992c4de7561e'),
     (11, 'handed_pauses_and_ends', 'f52259f88492a95c0344d97dc95eba86e220ad53b9450c7ab858a6fc967efe70'),
-    (12, 'operations', '96108d076d579804604c2905fa0e340f439acec14a00bb4f377a610d99261f45'),
-    (13, 'claim_without_a_read', '5f6a76673fc0b6b0a1884189f08b22f2961ed7c4e0e23d8e99111f23bc731871');
+    (12, 'operations', '96108d076d579804604c2905fa0e340f439acec14a00bb4f377a610d99261f45');

@@ -1,6 +1,6 @@
 """Pauses: the original's Store, VersionedStore and the pause half of LeasedClaimStore, at one exact scope.
 
-Every claim is ONE call of the claim transition (``intermission_claim_pause_v2``): the paused -> running
+Every claim is ONE call of the claim transition (``intermission_claim_pause_v1``): the paused -> running
 move and the suspension read (and, for a leased claim, the lease and the first progress snapshot) cannot be
 split by another claimer, because they all contend on the run's row lock and re-check ``state = 'paused'``
 and the revision after the winner commits. A read followed by a separate write is exactly the race these
@@ -285,8 +285,6 @@ def claim_arguments(
         "decision_reason": decision.reason if decision is not None else None,
         **(event.arguments() if event is not None else NO_EVENT),
         "rows": rows,
-        # Set by a claim made without reading its pause first (store/commands.py).
-        "pending_ids": None,
         # Set by a writer that publishes the claim's event from memory (store/commands.py).
         "outbox_hold": None,
     }
