@@ -25,7 +25,8 @@ repetition, so nothing else on the servers is touched), each peer in a database 
    on first use, never the project's venv), read from the JSON line it prints last. A peer that fails is
    reported with the tail of its stderr, and the benchmark goes on.
 4. UNLOADED latency: one worker and the sweeper, one resume at a time (publish, wait for
-   ``run.completed``, next).
+   ``run.completed``, next); then the broker's FLOOR for it (``bench/floor.py``): one message at a time
+   through two quorum queues with a relay between, the two hops every unloaded resume crosses.
 
 Phases (1) and (2) keep the same number of commands in flight (``--window``, default four times the
 prefetch per consumer process) with the same prefetch and the same message size, and are driven by this
@@ -100,7 +101,7 @@ import aio_pika
 import asyncpg
 from aio_pika.abc import AbstractIncomingMessage
 
-from bench import bare, summary
+from bench import bare, floor, summary
 from bench.infra import (
     CLK_TCK,
     DEFAULT_AMQP_URL,
@@ -830,6 +831,7 @@ def systems_of(opts: Options) -> list[str]:
         *(summary.intermission(n) for n in opts.workers),
         *(p for p in PEER_ORDER if p in opts.peers),
         summary.UNLOADED,
+        summary.FLOOR,
     ]
 
 
@@ -847,6 +849,7 @@ def labels_of(opts: Options, facts: dict[str, Any]) -> dict[str, str]:
         if peer in opts.peers:
             labels[peer] = " ".join(names[peer].split())
     labels[summary.UNLOADED] = "Intermission, unloaded (one at a time)"
+    labels[summary.FLOOR] = "RabbitMQ alone: 2 quorum hops (floor)"
     return labels
 
 
@@ -858,6 +861,8 @@ def figures_of(raw: dict[str, Any]) -> dict[str, summary.Figures | None]:
     for peer, outcome in raw["peers"].items():
         figures[peer] = summary.of_peer(outcome)
     figures[summary.UNLOADED] = summary.of_unloaded(raw["unloaded"])
+    if "floor" in raw:
+        figures[summary.FLOOR] = summary.of_floor(raw["floor"])
     return figures
 
 
@@ -912,6 +917,13 @@ async def repetition(
         raw["unloaded"] = await measure_unloaded(opts, admin, vhosts["unloaded"])
         print(
             f"    p50 {raw['unloaded']['latency_ms']['p50']:.1f} ms, p99 {raw['unloaded']['latency_ms']['p99']:.1f} ms",
+            flush=True,
+        )
+        print(f"  the broker alone: {opts.unloaded_samples} messages through two quorum queues ...", flush=True)
+        hops = await floor.quorum_round_trips(vhost_url(opts.amqp_url, vhosts["unloaded"]), opts.unloaded_samples)
+        raw["floor"] = {"latency_ms": summary_ms(hops)}
+        print(
+            f"    p50 {raw['floor']['latency_ms']['p50']:.1f} ms, p99 {raw['floor']['latency_ms']['p99']:.1f} ms",
             flush=True,
         )
     finally:

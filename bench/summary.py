@@ -17,6 +17,8 @@ from typing import Any
 
 BARE = "bare"
 UNLOADED = "unloaded"
+# The broker alone: the two quorum-queue hops every unloaded resume crosses (bench/floor.py).
+FLOOR = "floor"
 LANGGRAPH = "langgraph"
 DBOS = "dbos"
 PEERS = (LANGGRAPH, DBOS)
@@ -116,6 +118,18 @@ def of_unloaded(measured: Mapping[str, Any]) -> Figures:
         postgres_ms=None,
         rabbitmq_ms=None,
         peak_mib=max(peaks) if peaks else None,
+    )
+
+
+def of_floor(measured: Mapping[str, Any]) -> Figures:
+    """The broker's floor: latency only."""
+    return Figures(
+        per_second=None,
+        p50_ms=_number(measured["latency_ms"]["p50"]),
+        p99_ms=_number(measured["latency_ms"]["p99"]),
+        app_ms=None,
+        postgres_ms=None,
+        rabbitmq_ms=None,
     )
 
 

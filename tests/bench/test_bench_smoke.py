@@ -94,11 +94,12 @@ async def test_the_resume_benchmark_produces_its_figures(pg_server: str, rabbit:
             latency(measured["latency_ms"])
             holds(measured["cpu_ms_per_resume"], *CPU)
         latency(raw["unloaded"]["latency_ms"])
+        latency(raw["floor"]["latency_ms"])
         assert raw["unloaded"]["sweeper"] is True
         assert raw["peers"] == {}
-        holds(raw["figures"], "bare", "intermission_1w", "intermission_2w", "unloaded")
+        holds(raw["figures"], "bare", "intermission_1w", "intermission_2w", "unloaded", "floor")
     summary = figures["summary"]
-    assert set(summary) == {"bare", "intermission_1w", "intermission_2w", "unloaded"}
+    assert set(summary) == {"bare", "intermission_1w", "intermission_2w", "unloaded", "floor"}
     for system in ("bare", "intermission_1w", "intermission_2w"):
         assert summary[system]["measured"] == 2
         holds(summary[system]["per_second"], "median", "min", "max", "n")

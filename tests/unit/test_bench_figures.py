@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from bench import peer_runs, resume, summary
-from bench.summary import BARE, DBOS, LANGGRAPH, ONE, TWO, UNLOADED, Figures
+from bench.summary import BARE, DBOS, FLOOR, LANGGRAPH, ONE, TWO, UNLOADED, Figures
 
 
 def fig(per_second: float | None, *, app: float = 1.0, pg: float = 1.0, mq: float | None = 0.5, **kw: Any) -> Figures:
@@ -284,7 +284,7 @@ def test_bad_options_are_refused(argv: list[str]) -> None:
 
 def test_the_systems_follow_the_order_of_a_repetition() -> None:
     opts = resume.parse(["--peers", "dbos,langgraph"])
-    assert resume.systems_of(opts) == [BARE, ONE, TWO, LANGGRAPH, DBOS, UNLOADED]
+    assert resume.systems_of(opts) == [BARE, ONE, TWO, LANGGRAPH, DBOS, UNLOADED, FLOOR]
     labels = resume.labels_of(opts, {"langgraph": "1.2.24", "dbos": "3.4.0"})
     assert labels[LANGGRAPH] == "LangGraph 1.2.24 + PostgresSaver (no claim)"
     assert labels[DBOS] == "DBOS 3.4.0 send/recv"
