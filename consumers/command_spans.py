@@ -41,6 +41,7 @@ from intermission.tracing import (
     open_span,
     recording,
     started_span,
+    untraced,
     use,
 )
 from intermission.wire import COMMANDS_EXCHANGE, Command, KeyScopeInvalid
@@ -88,7 +89,7 @@ def transaction_span(command: Command) -> contextlib.AbstractContextManager[Span
     leaving it (a refusal, a duplicate, the database away) is recorded on it: the transaction did not
     commit."""
     if not recording():
-        return contextlib.nullcontext(current_span())
+        return untraced()
     return open_span(f"{command.value} transaction", record_errors=True)
 
 

@@ -179,6 +179,11 @@ def current_span() -> Span:
     return trace.get_current_span()
 
 
+def untraced() -> contextlib.AbstractContextManager[Span]:
+    """A block that opens no span (what ``open_span`` is when nothing records and there is no parent)."""
+    return _NOTHING
+
+
 def annotate(span: Span, attributes: Mapping[str, AttributeValue]) -> None:
     """Set attributes on a span that records (nothing is built for one that does not)."""
     if span.is_recording():

@@ -43,6 +43,7 @@ from datetime import datetime
 
 import aio_pika
 from aio_pika.abc import AbstractRobustConnection
+from opentelemetry.trace import SpanKind
 from tenacity import RetryCallState
 
 from intermission.publishers.amqp import (
@@ -57,6 +58,7 @@ from intermission.publishers.amqp import (
 from intermission.schemas.commands import ExpireCommand
 from intermission.store.across_scopes import AcrossScopes, ExpiredPause
 from intermission.store.db import Database
+from intermission.tracing import current_traceparent, open_span
 from intermission.wire import COMMANDS_EXCHANGE, Command, command_message
 
 log = logging.getLogger("intermission.sweeper")
@@ -103,8 +105,13 @@ def expire_command(pause: ExpiredPause) -> ExpireCommand:
     return ExpireCommand(scope=pause.scope, version=pause.version, expired_by=pause.expires_at)
 
 
-def expire_message(pause: ExpiredPause) -> aio_pika.Message:
-    return command_message(Command.EXPIRE, expire_command(pause), message_id=expire_message_id(pause))
+def expire_message(pause: ExpiredPause, traceparent: str | None = None) -> aio_pika.Message:
+    """The ``run.expire`` of a pause; ``traceparent`` (the sweeper's publishing span, when one records) puts
+    the worker's processing of it in the sweeper's trace. Only the headers differ between sweepers: the
+    id and the body, which the inbox compares, are the same."""
+    return command_message(
+        Command.EXPIRE, expire_command(pause), message_id=expire_message_id(pause), traceparent=traceparent
+    )
 
 
 class _Recent:
@@ -210,9 +217,15 @@ class ExpirySweeper:
         while due:
             take = len(due) if pacer is None else pacer.allowance()
             burst, due = due[:take], due[take:]
-            outcomes = await self._publisher.publish_all(
-                [Outgoing(expire_message(p), Command.EXPIRE.key(p.scope)) for p in burst]
-            )
+            with open_span(
+                "run.expire publish",
+                kind=SpanKind.PRODUCER,
+                attributes={"messaging.system": "rabbitmq", "messaging.batch.message_count": len(burst)},
+            ):
+                traceparent = current_traceparent()
+                outcomes = await self._publisher.publish_all(
+                    [Outgoing(expire_message(p, traceparent), Command.EXPIRE.key(p.scope)) for p in burst]
+                )
             sent = 0
             for pause, outcome in zip(burst, outcomes, strict=True):
                 if outcome is None:

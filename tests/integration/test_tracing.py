@@ -16,9 +16,10 @@ from typing import Any
 
 import asyncpg
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import NonRecordingSpan, SpanKind
 
 from intermission.agent.loop import default_executor
 from intermission.fleet.logs import json_handler
@@ -27,12 +28,15 @@ from intermission.fleet.worker import Worker, running_worker
 from intermission.publishers.clients import HostClient, Received, Subscription, version_of
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.events import RunEvent, RunEventKind
+from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import Notice
 from intermission.store import Stores
-from intermission.tracing import LINK_BATCH, LINK_COMMAND, LINK_KIND, LINK_PAUSE, parsed
+from intermission.store.commands import RunDefaults
+from intermission.tracing import LINK_BATCH, LINK_COMMAND, LINK_KIND, LINK_PAUSE, LINK_TAKEN_OVER, parsed, trace_id_of
 from intermission.wire import TRACEPARENT_HEADER
+from tests.support import fleet
 from tests.support.tracing import recorded
 from tests.support.waiting import eventually
 
@@ -359,3 +363,34 @@ async def test_a_batch_keeps_each_command_in_its_own_trace_linked_to_their_one_t
         assert hex_ids(resume)[1] in linked_from_shared
         assert links_of(resume)[LINK_BATCH] == hex_ids(shared)[1]
         assert LINK_PAUSE in links_of(resume)
+
+
+async def test_a_run_taken_over_goes_on_in_its_trace_linked_to_where_it_was(
+    stores: Stores, scope: Scope, settings: Settings, spans: InMemorySpanExporter
+) -> None:
+    # A worker started the run in the host's trace and died holding it: its first snapshot recorded the trace.
+    cmd = fleet.start_command(scope, [{"say": "done"}])
+    host_span = parsed(traceparent(START_TRACE, START_PARENT))
+    assert host_span is not None
+    dead = Lease(owner="worker-that-died", ttl_seconds=30)
+    defaults = RunDefaults(pause_ttl_seconds=0, max_steps=8)
+    with trace.use_span(NonRecordingSpan(host_span)):
+        assert await stores.commands.start(cmd, defaults, dead) is not None
+    async with stores.db.connection() as con:
+        await con.raw.execute("UPDATE runs SET lease_expires_at = now() WHERE id = $1", cmd.run_id)
+
+    taker = fleet.worker(stores, settings)
+    assert await taker.fleet.reclaim_once() == 1
+    await taker.drain()
+    found = await spans_of_run(spans, cmd.run_id, 1)
+
+    (continued,) = found.named("run.continue", cmd.run_id)
+    assert (continued.attributes or {})["intermission.taken_over"] is True
+    assert hex_ids(continued)[0] == START_TRACE
+    assert parent_of(continued) == START_PARENT
+    assert links_of(continued)[LINK_TAKEN_OVER] == START_PARENT
+    async with stores.db.connection() as con:
+        headers = await con.raw.fetchval(
+            "SELECT headers FROM outbox WHERE run_id = $1 AND routing_key LIKE 'run.completed.%'", cmd.run_id
+        )
+    assert trace_id_of(json.loads(headers)[TRACEPARENT_HEADER]) == START_TRACE
