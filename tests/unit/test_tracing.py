@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from intermission.fleet.logs import json_handler
 from intermission.fleet.telemetry import TracingMisconfigured, exporters_asked
+from intermission.fleet.telemetry import _otlp_exporter as otlp_exporter
 from intermission.store import outbox
 from intermission.tracing import (
     current_traceparent,
@@ -143,6 +145,16 @@ def test_the_otel_variables_name_the_exporters(environ: dict[str, str], asked: l
 def test_an_exporter_this_installation_has_not_is_refused_by_name() -> None:
     with pytest.raises(TracingMisconfigured, match="OTEL_TRACES_EXPORTER: zipkin"):
         exporters_asked({"OTEL_TRACES_EXPORTER": "zipkin"})
+    with pytest.raises(TracingMisconfigured, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
+        otlp_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+
+
+def test_the_otlp_exporter_is_the_extras_http_one_by_default() -> None:
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    made = otlp_exporter({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
+    assert isinstance(made, OTLPSpanExporter)
+    made.shutdown()
 
 
 # Without any tracer provider (a process of its own: the tests may have installed one in this one), a
@@ -184,3 +196,41 @@ def test_without_a_tracer_provider_a_traceparent_is_carried_through_and_nothing_
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "ok"
+
+
+_INSTALLING = """
+import os
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from intermission.fleet.telemetry import install_tracing
+from intermission.tracing import open_span, recording
+
+assert not install_tracing("intermission-worker", {})  # nothing asked: the API's no-op stays
+assert not recording()
+environ = dict(os.environ, OTEL_TRACES_EXPORTER="console")
+os.environ.pop("OTEL_SERVICE_NAME", None)
+assert install_tracing("intermission-sweeper", environ)
+provider = trace.get_tracer_provider()
+assert isinstance(provider, TracerProvider)
+assert provider.resource.attributes["service.name"] == "intermission-sweeper"
+assert recording()
+with open_span("probe") as span:
+    assert span.is_recording()
+print("ok")
+"""
+
+
+def test_a_process_installs_the_sdk_only_when_an_exporter_is_named() -> None:
+    done = subprocess.run(  # noqa: S603 - our own interpreter and script
+        [sys.executable, "-c", _INSTALLING],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+        # The console exporter prints the probe span (as JSON) when the process exits.
+        env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0] == "ok"
+    assert '"name": "probe"' in done.stdout
