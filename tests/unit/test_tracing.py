@@ -154,7 +154,6 @@ def test_the_otlp_exporter_is_the_extras_http_one_by_default() -> None:
 
     made = otlp_exporter({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
     assert isinstance(made, OTLPSpanExporter)
-    made.shutdown()
 
 
 # Without any tracer provider (a process of its own: the tests may have installed one in this one), a
