@@ -66,9 +66,22 @@ class _StringHeaders(Getter[Mapping[str, object]]):
 _headers = _StringHeaders()
 
 
+_NOT_RECORDING: Final = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+# A process installs its tracer provider once (the API refuses a second), so once one records, it always will.
+_installed = False
+
+
 def recording() -> bool:
-    """Whether a tracer provider that records spans is installed (the SDK, configured by the operator)."""
-    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+    """Whether a tracer provider that records spans is installed (the SDK, configured by the operator).
+
+    Asked several times per command, so it reads the API's global as the API's own ProxyTracer does:
+    ``get_tracer_provider()`` looks the environment up on every call while none is installed (about a
+    microsecond), which would be most of what tracing costs a worker that exports nothing."""
+    global _installed
+    if not _installed:
+        provider = trace._TRACER_PROVIDER
+        _installed = provider is not None and not isinstance(provider, _NOT_RECORDING)
+    return _installed
 
 
 # --- traceparent <-> span context ---------------------------------------------------------------------
