@@ -625,6 +625,8 @@ class ResumeStore:
                     error=error,
                     correlation_id=None,
                     own_messages=None,
+                    # In the trace of whoever closes it, when one is current.
+                    traceparent=current_traceparent(),
                     run_event_id=event_id,
                     run_event_kind="resume_closed",
                     run_event_data={
