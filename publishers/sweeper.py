@@ -58,7 +58,7 @@ from intermission.publishers.amqp import (
 from intermission.schemas.commands import ExpireCommand
 from intermission.store.across_scopes import AcrossScopes, ExpiredPause
 from intermission.store.db import Database
-from intermission.tracing import current_traceparent, open_span
+from intermission.tracing import open_span
 from intermission.wire import COMMANDS_EXCHANGE, Command, command_message
 
 log = logging.getLogger("intermission.sweeper")
@@ -105,13 +105,10 @@ def expire_command(pause: ExpiredPause) -> ExpireCommand:
     return ExpireCommand(scope=pause.scope, version=pause.version, expired_by=pause.expires_at)
 
 
-def expire_message(pause: ExpiredPause, traceparent: str | None = None) -> aio_pika.Message:
-    """The ``run.expire`` of a pause; ``traceparent`` (the sweeper's publishing span, when one records) puts
-    the worker's processing of it in the sweeper's trace. Only the headers differ between sweepers: the
-    id and the body, which the inbox compares, are the same."""
-    return command_message(
-        Command.EXPIRE, expire_command(pause), message_id=expire_message_id(pause), traceparent=traceparent
-    )
+def expire_message(pause: ExpiredPause) -> aio_pika.Message:
+    # No traceparent: every sweeper publishes the identical message for a pause, headers included. The
+    # worker processes it in a trace of its own, linked to the pause it expires.
+    return command_message(Command.EXPIRE, expire_command(pause), message_id=expire_message_id(pause))
 
 
 class _Recent:
@@ -222,9 +219,8 @@ class ExpirySweeper:
                 kind=SpanKind.PRODUCER,
                 attributes={"messaging.system": "rabbitmq", "messaging.batch.message_count": len(burst)},
             ):
-                traceparent = current_traceparent()
                 outcomes = await self._publisher.publish_all(
-                    [Outgoing(expire_message(p, traceparent), Command.EXPIRE.key(p.scope)) for p in burst]
+                    [Outgoing(expire_message(p), Command.EXPIRE.key(p.scope)) for p in burst]
                 )
             sent = 0
             for pause, outcome in zip(burst, outcomes, strict=True):
