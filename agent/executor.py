@@ -18,7 +18,7 @@ asking the database between calls.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn, Protocol
 
 from intermission.agent.tools import ToolEnv
@@ -30,6 +30,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, Progress, ProgressResult
 from intermission.store import Stores
 from intermission.store.runs import EndingRequested, Pause, Paused
+from intermission.tracing import current_traceparent, open_span
 
 # The most session messages a run loads unless the fleet says otherwise (Settings.session_history_messages).
 DEFAULT_HISTORY_MESSAGES = 200
@@ -165,9 +166,12 @@ class RunContext:
         self._alive()
         self.handle.leaving = True
         try:
-            paused = await self._store.runs.pause_run(
-                self.run.id, self.owner, pause, correlation_id=self.correlation_id
-            )
+            with open_span("run.pause", attributes={"intermission.pause.reason": pause.reason.value}):
+                # The pause remembers the span it is made in: the resume that answers it links to it, and the
+                # run's trace goes on from it, whichever worker that is (intermission/tracing.py).
+                paused = await self._store.runs.pause_run(
+                    self.run.id, self.owner, _traced(pause), correlation_id=self.correlation_id
+                )
         except RunLeaseLost:
             self.handle.lost = True
             raise
@@ -202,6 +206,8 @@ class RunContext:
                 correlation_id=self.correlation_id,
                 own_messages=own_messages,
                 counts=continuation or self.progress.continuation,
+                # The run's span is current: its end event goes out in the run's trace.
+                traceparent=current_traceparent(),
             )
         except RunLeaseLost:
             self.handle.lost = True
@@ -246,3 +252,11 @@ class RunContext:
     def tool_env(self, call_id: str) -> ToolEnv:
         """What a tool handler of this run may use for the call ``call_id``."""
         return ToolEnv(run_id=self.run.id, call_id=call_id, scope=self.scope, ledger=self._ledger)
+
+
+def _traced(pause: Pause) -> Pause:
+    """``pause`` with the span context current here (the ``run.pause`` span) recorded in its continuation."""
+    traceparent = current_traceparent()
+    if traceparent is None or traceparent == pause.continuation.traceparent:
+        return pause
+    return replace(pause, continuation=pause.continuation.model_copy(update={"traceparent": traceparent}))

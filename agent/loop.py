@@ -63,6 +63,7 @@ from intermission.schemas.suspension import (
     SuspendReason,
 )
 from intermission.store.runs import Pause
+from intermission.tracing import failed, open_span, tool_span
 
 SYSTEM_PROMPT = "You are the Intermission demo agent. Use the tools you are given; answer briefly."
 
@@ -173,7 +174,8 @@ class AgentLoop:
                 await self._fail(ctx, step, f"{InvalidContinuation.code}: max_steps is {step.cont.config.max_steps}")
         await self._complete_open_turn(ctx, step)
         while True:
-            await self._take_step(ctx, step)
+            with open_span("run.step", attributes={"intermission.run.step": step.cont.step_index + 1}):
+                await self._take_step(ctx, step)
 
     async def _begin(self, ctx: RunContext) -> _Step:
         """A fresh run: load its session's history and add its input. Nothing is saved yet: a worker that
@@ -329,11 +331,13 @@ class AgentLoop:
             # The turn is durable before its first call runs: a takeover never asks the model for it again.
             await ctx.save_progress(step.snapshot(ctx.owner, ctx.run.id))
             step.turn_saved = True
-        try:
-            content = await tool.run(_arguments(call), env)
-            result = ProgressResult(call_id=call.id, content=content, outcome=ToolOutcome.COMPLETED)
-        except ToolFailed as exc:
-            result = ProgressResult(call_id=call.id, error=str(exc), outcome=ToolOutcome.FAILED)
+        with tool_span(call.name, call.id, retry_safe=tool.retry_safe) as span:
+            try:
+                content = await tool.run(_arguments(call), env)
+                result = ProgressResult(call_id=call.id, content=content, outcome=ToolOutcome.COMPLETED)
+            except ToolFailed as exc:
+                result = ProgressResult(call_id=call.id, error=str(exc), outcome=ToolOutcome.FAILED)
+                failed(span, "tool failed")
         if not tool.retry_safe:
             points.reach(points.AFTER_STARTED)
             step.started = [c for c in step.started if c.id != call.id]

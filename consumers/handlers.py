@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from intermission.consumers.command_spans import transaction_span
 from intermission.consumers.parsing import Delivery, check_key_scope, parse_body
 from intermission.schemas.commands import (
     CancelCommand,
@@ -92,7 +93,8 @@ class CommandHandlers:
 
     async def apply(self, command: Command, delivery: Delivery, message_id: str) -> Claimed | None:
         route: Route[Any] = ROUTES[command]
-        return await route.apply(self, command, delivery, message_id)
+        with transaction_span(command):
+            return await route.apply(self, command, delivery, message_id)
 
     def prepare(self, command: Command, delivery: Delivery, message_id: str) -> AnswerRequest:
         """A BATCHED command, parsed and checked as ``apply`` would, as the request for ``answer_batch``."""

@@ -48,6 +48,7 @@ from tenacity import (
 from tenacity.stop import stop_base
 
 from intermission.consumers.batching import Acknowledgements
+from intermission.consumers.command_spans import BatchSpans, command_span, note_claimed, observed
 from intermission.consumers.handlers import CommandHandlers, StaleExpiry
 from intermission.consumers.parsing import MAX_REPLY_BODY_BYTES, Delivery, check_body_limits, check_envelope
 from intermission.consumers.rejection import Rejecter
@@ -161,8 +162,9 @@ class AckPolicy:
         self.availability = Availability()
         # Between the commit and the acknowledgement: the crash tests kill a worker here.
         self.after_commit = after_commit
-        # (command, outcome, error code) of every delivery handled: the worker counts them for metrics.
-        self.observe = observe
+        # (command, outcome, error code) of every delivery handled: the worker counts them for metrics, and
+        # the command's span records it.
+        self.observe = observed(observe)
         # Which deliveries are unsettled, so that a batch's acknowledgements go as one where they can.
         self.acks = acks or Acknowledgements()
 
@@ -236,7 +238,11 @@ class AckPolicy:
                 await self.rejecter.reject(delivery, error)
 
     async def process(self, message: AbstractIncomingMessage, command: Command) -> None:
-        """Settle ``message``, whatever it holds (see the module docstring)."""
+        """Settle ``message``, whatever it holds (see the module docstring), in the command's span."""
+        with command_span(message, command):
+            await self._process(message, command)
+
+    async def _process(self, message: AbstractIncomingMessage, command: Command) -> None:
         try:
             await self._settle(message, command)
         except Exception:
@@ -270,6 +276,7 @@ class AckPolicy:
     def _applied(self, command: Command, claimed: Claimed | None) -> None:
         self.observe(command, "applied", "")
         if claimed is not None:
+            note_claimed(claimed)
             self.on_claimed(claimed)
 
     async def _settle_failed(
@@ -337,20 +344,25 @@ class AckPolicy:
         if len(batch) == 1 or not self.availability.is_clear:
             await asyncio.gather(*(self.process(message, command) for message, command in batch))
             return
+        spans = BatchSpans()
         try:
-            await self._settle_batch(batch)
+            await self._settle_batch(batch, spans)
         except Exception:
             log.exception("could not settle a batch of commands", extra={"action": "batch_failed"})
             for message, command in batch:
                 if not self.acks.is_acked(message):
                     with contextlib.suppress(Exception):
                         await message.reject(requeue=False)
-                    self.observe(command, "dead_lettered", "unsettled")
+                    with spans.current(message):
+                        self.observe(command, "dead_lettered", "unsettled")
+        finally:
+            spans.end()
 
-    async def _settle_batch(self, batch: Sequence[tuple[AbstractIncomingMessage, Command]]) -> None:
+    async def _settle_batch(self, batch: Sequence[tuple[AbstractIncomingMessage, Command]], spans: BatchSpans) -> None:
         prepared: list[tuple[AbstractIncomingMessage, Command, Delivery, AnswerRequest]] = []
         alone: list[tuple[AbstractIncomingMessage, Command, Delivery, Exception]] = []
         for message, command in batch:
+            spans.start(message, command)
             delivery = delivery_of(message, command)
             _note_redelivery(message, delivery)
             try:
@@ -362,13 +374,18 @@ class AckPolicy:
         outcomes: list[Claimed | Exception] = []
         if prepared:
             try:
-                outcomes = await self.handlers.answer_batch([(command, request) for _, command, _, request in prepared])
+                with spans.transaction(len(prepared)):
+                    outcomes = await self.handlers.answer_batch(
+                        [(command, request) for _, command, _, request in prepared]
+                    )
             except Exception:
-                # Nothing of the batch committed; each command goes on alone, with the retry window.
+                # Nothing of the batch committed; each command goes on alone, with the retry window (and a
+                # span of its own, so their batch spans end here).
+                spans.end([message for message, _, _, _ in prepared])
                 await asyncio.gather(
                     *(self.process(message, command) for message, command, _, _ in prepared),
                     *(
-                        self._settle_failed(message, command, delivery, failed)
+                        spans.within(message, self._settle_failed(message, command, delivery, failed))
                         for message, command, delivery, failed in alone
                     ),
                 )
@@ -383,8 +400,9 @@ class AckPolicy:
         # The effects are committed. If the acknowledgement is lost, each redelivery is a duplicate.
         with contextlib.suppress(Exception):
             await self.acks.ack_all([message for message, _, _ in applied])
-        for _, command, claimed in applied:
-            self._applied(command, claimed)
+        for message, command, claimed in applied:
+            with spans.current(message):
+                self._applied(command, claimed)
         failed = [
             (message, command, delivery, outcome)
             for (message, command, delivery, _), outcome in zip(prepared, outcomes, strict=True)
@@ -392,7 +410,7 @@ class AckPolicy:
         ]
         await asyncio.gather(
             *(
-                self._settle_failed(message, command, delivery, error)
+                spans.within(message, self._settle_failed(message, command, delivery, error))
                 for message, command, delivery, error in [*alone, *failed]
             )
         )

@@ -21,6 +21,7 @@ from intermission.schemas.errors import IntermissionError
 from intermission.schemas.events import CommandRejected
 from intermission.schemas.ids import RUN_ID_PATTERN
 from intermission.schemas.scope import Scope
+from intermission.tracing import current_traceparent
 from intermission.wire import Command, KeyScopeInvalid, dead_copy, rejected_key, rejection_message
 
 _RUN_ID = re.compile(RUN_ID_PATTERN)
@@ -91,5 +92,7 @@ class Rejecter:
         # The copy first: the sender hears of a refusal only once the refused command is kept, and a copy the
         # broker would not take (retried by the caller) announces nothing yet.
         await self.dead.publish(copy, routing_key=delivery.routing_key, timeout=self.timeout)
-        await self.events.publish(rejection_message(rejection), routing_key=rejected_key(scope), timeout=self.timeout)
+        # In the refused command's trace: its span is current here.
+        refused = rejection_message(rejection, traceparent=current_traceparent())
+        await self.events.publish(refused, routing_key=rejected_key(scope), timeout=self.timeout)
         return rejection

@@ -20,6 +20,7 @@ import logging
 from intermission.agent.executor import EndedOnRequest, Executor, RunContext, RunHandle, StopAtBoundary
 from intermission.fleet.identity import incarnation
 from intermission.fleet.lease import LeaseKeeper
+from intermission.fleet.run_spans import continuing
 from intermission.fleet.settings import Settings
 from intermission.fleet.supervisor import Supervisor
 from intermission.ops.metrics import WorkerMetrics
@@ -41,6 +42,7 @@ from intermission.store.across_scopes import Unreadable
 from intermission.store.commands import Claimed
 from intermission.store.leases import LeaseLine
 from intermission.store.runs import Reclaimed
+from intermission.tracing import annotate, failed
 
 log = logging.getLogger("intermission.fleet")
 
@@ -96,14 +98,17 @@ class Fleet:
     def running(self) -> int:
         return len(self._tasks)
 
-    def submit(self, claimed: Claimed) -> asyncio.Task[None]:
-        """Run a claimed run under this worker's lease until it pauses, ends, or leaves this worker."""
+    def submit(self, claimed: Claimed, *, taken_over: bool = False) -> asyncio.Task[None]:
+        """Run a claimed run under this worker's lease until it pauses, ends, or leaves this worker.
+        ``taken_over``: the run's worker died and this one took it over (its span says so)."""
         run_id = claimed.run.id
         existing = self._tasks.get(run_id)
         if existing is not None and not existing.done():
             # Only one claim can hold the run; a second submit of it is a bug upstream, not a second run.
             raise RuntimeError(f"run {run_id} is already running in this worker")
-        task = asyncio.create_task(self._run(claimed), name=f"run:{run_id}")
+        # The task copies the context it is created in: the span of the command that claimed the run is
+        # current in it, and the run's span starts from there (fleet/run_spans.py).
+        task = asyncio.create_task(self._run(claimed, taken_over), name=f"run:{run_id}")
         self._tasks[run_id] = task
         self._idle.clear()
         task.add_done_callback(lambda t: self._forget(run_id, t))
@@ -115,7 +120,21 @@ class Fleet:
         if not self._tasks:
             self._idle.set()
 
-    async def _run(self, claimed: Claimed) -> None:
+    async def _run(self, claimed: Claimed, taken_over: bool) -> None:
+        """The run's task: it continues in its trace, in a ``run.continue`` span (fleet/run_spans.py)."""
+        with continuing(claimed.run, claimed.progress, taken_over=taken_over) as span:
+            how = await self._continue(claimed)
+            annotate(span, {"intermission.run.left": how})
+            if how == "failed":
+                failed(span, "executor_error")
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "the run left this worker",
+                    extra={"action": "run_left_worker", "how": how, "run_id": claimed.run.id},
+                )
+
+    async def _continue(self, claimed: Claimed) -> str:
+        """Run ``claimed`` until it leaves this worker; how it left (``runs_left``'s label)."""
         handle = RunHandle(ending=claimed.run.ending)
         progress = claimed.progress
         if claimed.run.ending is not None and progress.ending is None:
@@ -171,7 +190,7 @@ class Fleet:
             if handle.lost:
                 me.uncancel()
                 log.warning("lease lost; run task cancelled", extra={"action": "run_lease_lost", **extra})
-                return
+                return "lease_lost"
             await asyncio.shield(self._release(ctx))
             raise
         except TransientError as exc:
@@ -194,6 +213,7 @@ class Fleet:
             elif handle.ended and how != "failed":
                 how = "ended"
             self.metrics.runs_left.labels(how).inc()
+        return how
 
     async def _release(self, ctx: RunContext) -> None:
         if ctx.handle.lost or ctx.handle.ended or ctx.handle.paused:
@@ -244,20 +264,23 @@ class Fleet:
         try:
             progress = await self._grant_admitted_start(run, progress)
         except PermanentError as exc:
-            await self._quarantine(run.id, run.scope, exc)
+            await self._quarantine(run.id, run.scope, exc, traceparent=progress.continuation.traceparent)
             return
         log.info("reclaimed a run", extra={"action": "run_reclaimed", "run_id": run.id, "scope": str(run.scope)})
         self.metrics.reclaimed.inc()
-        self.submit(Claimed(run=run, progress=progress, suspension=None, correlation_id=None))
+        self.submit(Claimed(run=run, progress=progress, suspension=None, correlation_id=None), taken_over=True)
 
-    async def _quarantine(self, run_id: str, scope: Scope, error: IntermissionError) -> None:
-        """End a run that can never be continued ``failed``, with its code, under the lease just taken."""
+    async def _quarantine(
+        self, run_id: str, scope: Scope, error: IntermissionError, *, traceparent: str | None = None
+    ) -> None:
+        """End a run that can never be continued ``failed``, with its code, under the lease just taken (its
+        ``run.failed`` in the run's trace, when its snapshot could be read)."""
         log.error(
             "a reclaimed run cannot be continued; ending it failed",
             extra={"action": "run_quarantined", "run_id": run_id, "code": error.code, "detail": error.detail},
         )
         await self.stores.at(scope).runs.end_run(
-            run_id, self.owner, RunEventKind.FAILED, error=f"{error.code}: {error.detail}"
+            run_id, self.owner, RunEventKind.FAILED, error=f"{error.code}: {error.detail}", traceparent=traceparent
         )
         self.metrics.quarantined.inc()
 

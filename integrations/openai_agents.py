@@ -77,6 +77,7 @@ from intermission.schemas.errors import (
 from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome, Usage
 from intermission.schemas.suspension import Continuation, PendingCall, Progress, ProgressResult, SuspendReason
 from intermission.store.runs import Pause
+from intermission.tracing import tool_span
 
 EXECUTOR_NAME = "openai_agents"
 # The envelope ``Continuation.prepared`` holds. Its version changes whenever its shape does; a stored
@@ -541,7 +542,8 @@ class _Run:
             raise
         token = _ENV.set(self.ctx.tool_env(call_id))
         try:
-            output = await invoke()
+            with tool_span(name, call_id, retry_safe=retry_safe):
+                output = await invoke()
         finally:
             _ENV.reset(token)
         if not retry_safe:

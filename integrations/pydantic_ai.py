@@ -92,6 +92,7 @@ from intermission.schemas.errors import (
 from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome, Usage
 from intermission.schemas.suspension import Continuation, Ending, PendingCall, Progress, ProgressResult, SuspendReason
 from intermission.store.runs import Pause
+from intermission.tracing import failed, tool_span
 
 # The metadata key of ``CallDeferred(metadata=...)`` that marks a deferred call as a question to another
 # agent, and its value. Chosen here (pydantic-ai has no such kind): ``ask_agent`` builds it.
@@ -614,7 +615,12 @@ class _Durable(AbstractCapability[Any]):
             await run.save_progress(state.snapshot(run))
         token = _tool_env.set(run.tool_env(call_id))
         try:
-            outcome = await handler(args)
+            with tool_span(call.tool_name, call_id, retry_safe=retry_safe) as span:
+                try:
+                    outcome = await handler(args)
+                except PydanticToolFailed:
+                    failed(span, "tool failed")
+                    raise
         except PydanticToolFailed as exc:
             if not retry_safe:
                 self._finished(ProgressResult(call_id=call_id, error=exc.message, outcome=ToolOutcome.FAILED))

@@ -5,9 +5,10 @@ What a host or the messaging bus needs is importable from here::
     from intermission import HostClient, Scope, StartCommand
 
 The layers, each a subpackage: ``schemas`` (domain types, command and event bodies, errors), ``wire`` (the
-RabbitMQ contract), ``store`` (PostgreSQL), ``consumers`` (the command queues), ``publishers`` (outbox relay,
-expiry sweeper, clients), ``fleet`` (the worker runtime), ``agent`` (executors: the agent loop, models,
-tools) and ``ops`` (the CLI, the demo, metrics). ``docs/architecture.md`` draws how they fit.
+RabbitMQ contract) and ``tracing`` (trace context across messages), ``store`` (PostgreSQL), ``consumers``
+(the command queues), ``publishers`` (outbox relay, expiry sweeper, clients), ``fleet`` (the worker
+runtime), ``agent`` (executors: the agent loop, models, tools) and ``ops`` (the CLI, the demo, metrics).
+``docs/architecture.md`` draws how they fit.
 """
 
 from __future__ import annotations

@@ -234,16 +234,17 @@ def derived_id(prefix: str, source: str) -> str:
     return f"{prefix}:sha256:{hashlib.sha256(source.encode()).hexdigest()}"
 
 
-def rejection_message(rejection: CommandRejected) -> aio_pika.Message:
+def rejection_message(rejection: CommandRejected, *, traceparent: str | None = None) -> aio_pika.Message:
     """The ``command.rejected`` event for a refused command. Its id is stable per refused message, so a
     refusal repeated after a redelivery deduplicates; the refused message's id is its correlation id and
-    in its body, whole."""
+    in its body, whole; ``traceparent`` puts it in the refused command's trace."""
     refused = rejection.message_id
     return message(
         rejection.model_dump_json(),
         message_id=derived_id("rejected", refused) if refused else None,
         routing_key=rejected_key(rejection.scope),
         correlation_id=refused or None,
+        traceparent=traceparent,
     )
 
 

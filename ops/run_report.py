@@ -14,7 +14,7 @@ from typing import Any
 from intermission.schemas.errors import NotSuspended, ProgressNotFound
 from intermission.schemas.run import Run, RunState
 from intermission.schemas.scope import Scope
-from intermission.schemas.suspension import Progress, Suspension
+from intermission.schemas.suspension import Continuation, Progress, Suspension
 from intermission.store import Stores
 from intermission.store.resume import AdmissionState
 from intermission.store.runs import RunOutboxRow
@@ -40,16 +40,15 @@ async def scope_of_run(stores: Stores, run_id: str, given: Scope | None) -> Scop
     return found[0]
 
 
-def trace_id(outbox: list[RunOutboxRow]) -> str | None:
-    """The run's trace: the ``traceparent`` of its latest outbox row that carries one (None: none does).
-
-    One place to change once runs are traced end to end; until then the W3C header an event was written with
-    is the trace the run was last part of."""
+def trace_id(outbox: list[RunOutboxRow], *recorded: Continuation | None) -> str | None:
+    """The run's trace: the ``traceparent`` of its latest outbox row that carries one, else the one the run
+    recorded with its snapshot or its pause (``recorded``, in that order: a running run's events may be
+    pruned already), None when there is none (the run was started without one and nothing recorded)."""
     for row in reversed(outbox):
         value = row.headers.get(TRACEPARENT_HEADER)
         if isinstance(value, str) and value:
             return value
-    return None
+    return next((c.traceparent for c in recorded if c is not None and c.traceparent), None)
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,11 @@ async def report(stores: Stores, scope: Scope, run_id: str) -> RunReport:
         admissions=await at.resume.list_run_admissions(run_id),
         events=await at.runs.list_run_events(run_id),
         outbox=outbox,
-        trace_id=trace_id(outbox),
+        trace_id=trace_id(
+            outbox,
+            progress.continuation if progress is not None else None,
+            pause.continuation if pause is not None else None,
+        ),
     )
 
 

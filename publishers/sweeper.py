@@ -43,6 +43,7 @@ from datetime import datetime
 
 import aio_pika
 from aio_pika.abc import AbstractRobustConnection
+from opentelemetry.trace import SpanKind
 from tenacity import RetryCallState
 
 from intermission.publishers.amqp import (
@@ -57,6 +58,7 @@ from intermission.publishers.amqp import (
 from intermission.schemas.commands import ExpireCommand
 from intermission.store.across_scopes import AcrossScopes, ExpiredPause
 from intermission.store.db import Database
+from intermission.tracing import open_span
 from intermission.wire import COMMANDS_EXCHANGE, Command, command_message
 
 log = logging.getLogger("intermission.sweeper")
@@ -104,6 +106,8 @@ def expire_command(pause: ExpiredPause) -> ExpireCommand:
 
 
 def expire_message(pause: ExpiredPause) -> aio_pika.Message:
+    # No traceparent: every sweeper publishes the identical message for a pause, headers included. The
+    # worker processes it in a trace of its own, linked to the pause it expires.
     return command_message(Command.EXPIRE, expire_command(pause), message_id=expire_message_id(pause))
 
 
@@ -210,9 +214,14 @@ class ExpirySweeper:
         while due:
             take = len(due) if pacer is None else pacer.allowance()
             burst, due = due[:take], due[take:]
-            outcomes = await self._publisher.publish_all(
-                [Outgoing(expire_message(p), Command.EXPIRE.key(p.scope)) for p in burst]
-            )
+            with open_span(
+                "run.expire publish",
+                kind=SpanKind.PRODUCER,
+                attributes={"messaging.system": "rabbitmq", "messaging.batch.message_count": len(burst)},
+            ):
+                outcomes = await self._publisher.publish_all(
+                    [Outgoing(expire_message(p), Command.EXPIRE.key(p.scope)) for p in burst]
+                )
             sent = 0
             for pause, outcome in zip(burst, outcomes, strict=True):
                 if outcome is None:

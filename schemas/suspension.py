@@ -99,6 +99,12 @@ class Continuation(Model):
     session_id: str = ""
     # The resolved configuration the run was executing under; a resume never re-merges the agent's.
     config: RunConfig = Field(default_factory=RunConfig)
+    # The W3C traceparent of the span the run was in when this was written: its start's (the first
+    # snapshot) or its pause's (a pause's continuation, and the snapshot a claim writes from it). The run's
+    # trace outlives the process that wrote it through this: a resume links to it and the run continues
+    # in it, a takeover too (intermission/tracing.py). None: the run was started without a trace and none
+    # was recording. Observability only: nothing decides anything by it.
+    traceparent: str | None = None
 
     # A stored continuation without ``schema_version`` was written before versions existed: legacy 0, not
     # the current version this model's default would make of it.

@@ -60,6 +60,7 @@ from intermission.store.queries import QUERIES
 from intermission.store.resume import ResumeStore
 from intermission.store.runs import check_lease, start_in
 from intermission.store.suspensions import Decided, claim_arguments, refusal
+from intermission.tracing import current_traceparent
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,8 @@ class CommandStore:
         first = Progress(
             run_id=new.run_id,
             owner=lease.owner,
-            continuation=Continuation(config=new.config, session_id=new.session_id),
+            # The run's trace begins with the start command's span (intermission/tracing.py).
+            continuation=Continuation(config=new.config, session_id=new.session_id, traceparent=current_traceparent()),
         )
         async with self.db.connection() as con:
             created = await start_in(con, scope, new, lease, first, receipt)
@@ -581,7 +583,9 @@ def _event(claim: _Claiming) -> outbox.OutboxEvent | None:
     resumed = RunEvent(
         kind=RunEventKind.RESUMED, run_id=request.run_id, revision=version.run_revision + 1, scope=request.scope
     )
-    return outbox.run_event(resumed, request.correlation_id)
+    # In the run's trace, as its pause recorded it; a pause that recorded none: the command's.
+    recorded = claim.stored.pause.continuation.traceparent if claim.stored.pause is not None else None
+    return outbox.run_event(resumed, request.correlation_id, traceparent=recorded or current_traceparent())
 
 
 def _claim_arguments(claim: _Claiming, event: outbox.OutboxEvent | None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from intermission.schemas.events import RunEvent
 from intermission.schemas.suspension import Notice
+from intermission.tracing import headers_with_trace
 from intermission.wire import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, HeaderValue, notice_key, run_event_key
 
 # What a pause's transaction adds to its Notice, and an end's to its run event.
@@ -63,19 +64,31 @@ def written(arguments: Mapping[str, Any], body: str | None) -> OutboxEvent | Non
     )
 
 
-def notice_event(notice: Notice, correlation_id: str | None) -> OutboxEvent:
-    """A pause's Notice, its database-assigned fields left for the pause's transaction to fill in."""
+def _headers(traceparent: str | None) -> dict[str, HeaderValue]:
+    headers: dict[str, HeaderValue] = {SCHEMA_VERSION_HEADER: SCHEMA_VERSION}
+    headers_with_trace(headers, traceparent)
+    return headers
+
+
+def notice_event(notice: Notice, correlation_id: str | None, *, traceparent: str | None = None) -> OutboxEvent:
+    """A pause's Notice, its database-assigned fields left for the pause's transaction to fill in; with the
+    pause's ``traceparent`` when it has one."""
     return OutboxEvent(
         routing_key=notice_key(notice.reason, notice.scope),
         body=notice.model_dump_json(exclude=set(NOTICE_FILLED_BY_THE_DATABASE)),
         correlation_id=correlation_id,
+        headers=_headers(traceparent),
     )
 
 
-def run_event(event: RunEvent, correlation_id: str | None, *, revision_known: bool = True) -> OutboxEvent:
-    """A ``run.*`` event; with ``revision_known`` false its revision is left for the transaction."""
+def run_event(
+    event: RunEvent, correlation_id: str | None, *, revision_known: bool = True, traceparent: str | None = None
+) -> OutboxEvent:
+    """A ``run.*`` event; with ``revision_known`` false its revision is left for the transaction; with the
+    ``traceparent`` of the run's trace when it has one."""
     return OutboxEvent(
         routing_key=run_event_key(event.kind, event.scope),
         body=event.model_dump_json(exclude=None if revision_known else set(RUN_EVENT_FILLED_BY_THE_DATABASE)),
         correlation_id=correlation_id,
+        headers=_headers(traceparent),
     )

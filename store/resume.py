@@ -70,6 +70,7 @@ from intermission.store.db import Conn, Database
 from intermission.store.inbox import Receipt, inbox_arguments
 from intermission.store.runs import end_arguments
 from intermission.store.suspensions import refusal
+from intermission.tracing import current_traceparent
 
 # ListAgentReplyRuns returns run ids only, so a page of 256 is small.
 MAX_DISCOVERY_PAGE = 256
@@ -330,7 +331,8 @@ class ResumeStore:
                 # The pause as read, its transient fields left out: this binds the stored pause and nothing else.
                 suspension_digest=canonical_digest(pause) if pause is not None else None,
                 **inbox_arguments(receipt, self.scope),
-                **outbox.run_event(resumed, correlation_id).arguments(),
+                # In the run's trace: the one its pause recorded, else the command's (intermission/tracing.py).
+                **outbox.run_event(resumed, correlation_id, traceparent=_trace_of(pause)).arguments(),
             )
         assert row is not None  # the function always returns its one row
         outcome = row["outcome"]
@@ -623,6 +625,8 @@ class ResumeStore:
                     error=error,
                     correlation_id=None,
                     own_messages=None,
+                    # In the trace of whoever closes it, when one is current.
+                    traceparent=current_traceparent(),
                     run_event_id=event_id,
                     run_event_kind="resume_closed",
                     run_event_data={
@@ -709,3 +713,9 @@ class ResumeStore:
         async with self.db.connection() as con:
             found = await con.fetch("resume_list_agent_reply_runs", self.scope.app, self.scope.tenant, after, bounded)
         return [r["run_id"] for r in found]
+
+
+def _trace_of(pause: Suspension | None) -> str | None:
+    """The trace a claim's run.resumed carries: the run's, as its pause recorded it; else the command's."""
+    recorded = pause.continuation.traceparent if pause is not None else None
+    return recorded or current_traceparent()

@@ -138,15 +138,17 @@ def end_arguments(
     run_event_kind: str | None = None,
     run_event_data: dict[str, object] | None = None,
     counts: Continuation | None = None,
+    traceparent: str | None = None,
 ) -> dict[str, object]:
     """Everything the end transition takes but who may end the run (``owner``, ``at_revision``). ``counts``
-    is the continuation whose step and token counts the run row ends with (None keeps those stored)."""
+    is the continuation whose step and token counts the run row ends with (None keeps those stored);
+    ``traceparent`` goes on the run's end event."""
     state = END_STATES.get(kind)
     if state is None:
         raise InvalidArgument(f"{kind.value} is not an end")
     # The event's revision is the one the end gives the run; the transition adds it.
     event = RunEvent(kind=kind, run_id=run_id, revision=0, scope=scope, output=output, error=error)
-    announced = outbox.run_event(event, correlation_id, revision_known=False)
+    announced = outbox.run_event(event, correlation_id, revision_known=False, traceparent=traceparent)
     return {
         "run_id": run_id,
         "app": scope.app,
@@ -299,7 +301,8 @@ class RunStore:
             approvers=pause.approvers,
             scope=self.scope,
         )
-        event = outbox.notice_event(known, correlation_id)
+        # The Notice carries the trace the pause recorded in its continuation (the pause's own span).
+        event = outbox.notice_event(known, correlation_id, traceparent=pause.continuation.traceparent)
         async with self.db.connection() as con:
             row = await con.fetchrow(
                 "pause_run",
@@ -360,6 +363,7 @@ class RunStore:
         correlation_id: str | None = None,
         own_messages: list[Message] | None = None,
         counts: Continuation | None = None,
+        traceparent: str | None = None,
     ) -> RunEvent:
         """End a running run held by ``owner``, in ONE transaction with its metadata event and its
         ``run.<kind>`` event: progress and any pause are removed, undecided checkpoints are closed, the
@@ -367,7 +371,7 @@ class RunStore:
         run row takes the step and token counts of ``counts`` (the continuation it ended at).
 
         A run asked to end while it ran (a cancel) ends only as cancelled: any other end is EndingRequested
-        and writes nothing."""
+        and writes nothing. ``traceparent`` (the run's trace) goes on the ``run.<kind>`` event."""
         named = end_arguments(
             self.scope,
             run_id,
@@ -377,6 +381,7 @@ class RunStore:
             correlation_id=correlation_id,
             own_messages=own_messages,
             counts=counts,
+            traceparent=traceparent,
         )
         row = await self.db.run_ends.fetchrow(owner=owner, at_revision=None, **named)
         revision = row["revision"] if row is not None else None

@@ -10,6 +10,7 @@ from aio_pika.abc import AbstractRobustConnection
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from intermission.fleet.logs import configure as configure_logs
+from intermission.fleet.telemetry import SWEEPER_SERVICE, WORKER_SERVICE, TracingMisconfigured, install_tracing
 from intermission.ops.cli.app import (
     EXIT_PROBLEM,
     database,
@@ -23,6 +24,15 @@ from intermission.ops.cli.app import (
 )
 from intermission.store.migrate import ensure_database, migrate
 from intermission.wire import COMMANDS_EXCHANGE, upgrade
+
+
+def start_tracing(service: str) -> None:
+    """Export spans when the OTEL_* variables ask for it (fleet/telemetry.py); a request that cannot be met
+    stops the process at start, like a bad setting."""
+    try:
+        install_tracing(service)
+    except TracingMisconfigured as exc:
+        raise click.ClickException(f"bad settings:\n  {exc}") from exc
 
 
 @main.command("migrate")
@@ -47,6 +57,7 @@ def worker_command() -> None:
     """Run a worker until SIGTERM: consume commands, relay the outbox, run claimed runs, take over lapsed ones."""
     settings = load_settings()
     configure_logs(settings.log_level)
+    start_tracing(WORKER_SERVICE)
     from intermission.fleet.worker import serve
 
     run_or_exit("worker", serve(settings), settings)
@@ -57,6 +68,7 @@ def sweeper_command() -> None:
     """Run the expiry sweeper until SIGTERM: publish run.expire for every expired pause, in every scope."""
     settings = load_settings()
     configure_logs(settings.log_level)
+    start_tracing(SWEEPER_SERVICE)
     from intermission.fleet.worker import sweep
 
     run_or_exit("sweeper", sweep(settings), settings)

@@ -214,7 +214,8 @@ async def test_runs_show_a_run_with_its_pause_progress_admissions_events_and_tra
     keys = [o["routing_key"] for o in shown["outbox"]]
     assert keys == [f"notice.external_tool.{scope.app}.{scope.tenant}"]
     assert all(o["sent_at"] is not None for o in shown["outbox"])
-    assert shown["trace_id"] is None
+    # The trace its pause recorded and its Notice carries: none when nothing records (it started without one).
+    assert shown["trace_id"] == pause.continuation.traceparent
     assert "body" not in shown["outbox"][0]
 
     # The trace is the traceparent of the run's latest outbox row that has one.
