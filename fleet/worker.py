@@ -95,6 +95,8 @@ async def running_worker(
             relayed=True,
             connect_timeout=settings.database_connect_timeout_seconds,
             application_name=session_name("worker", owner),
+            # Its statements probe keys: plan them once (store/db.py, Database.connect).
+            generic_plans=True,
         )
     metrics = WorkerMetrics()
     supervisor = Supervisor(on_restart=lambda task: metrics.task_restarts.labels(task).inc())

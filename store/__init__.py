@@ -88,6 +88,7 @@ class Stores:
         relayed: bool = False,
         connect_timeout: float = 60.0,
         application_name: str = "intermission",
+        generic_plans: bool = False,
     ) -> Stores:
         return cls(
             await Database.connect(
@@ -96,6 +97,7 @@ class Stores:
                 max_size=max_size,
                 relayed=relayed,
                 connect_timeout=connect_timeout,
+                generic_plans=generic_plans,
                 application_name=application_name,
             )
         )

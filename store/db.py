@@ -280,6 +280,7 @@ class Database:
         application_name: str = "intermission",
         relayed: bool = False,
         connect_timeout: float = 60.0,
+        generic_plans: bool = False,
     ) -> Database:
         """A pool over ``dsn``, which may list several hosts (asyncpg tries them in order) and ask for
         ``target_session_attrs=read-write`` so that only the primary is taken.
@@ -287,8 +288,19 @@ class Database:
         ``connect_timeout`` bounds one connection attempt over the WHOLE host list, not each host: asyncpg
         spends one budget across them, so a host that drops packets (no RST) can use it up before the next
         host is tried. Give it room for every host.
+
+        ``generic_plans``: the sessions plan each statement once and keep that plan (``plan_cache_mode =
+        force_generic_plan``), for a worker. Its statements are the transitions, whose statements inside the
+        functions are large data-modifying CTEs probing by key; with the default the planner compares a plan
+        made for the call's own values with a generic one, and because values such as ``p_checkpoint_id IS
+        NULL`` fold whole branches away in the former, it keeps choosing it: every call planned its CTE
+        again. Measured side by side (bench.resume), a fifth of PostgreSQL's CPU per resume went to that.
+        Every such statement probes unique keys, whose plan does not depend on the values; the sweeper's
+        and the operators' range scans keep the default.
         """
         settings = {"application_name": application_name}
+        if generic_plans:
+            settings["plan_cache_mode"] = "force_generic_plan"
         if relayed:
             settings["intermission.relayed"] = "on"
         tracker = _ServerTracker()

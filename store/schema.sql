@@ -1576,4 +1576,4 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (9, 'outbox_hold', 'afbffbae318298ff2d211eb5e108dc1abe590dc9c98ca5e56a935b31f69b2b6c'),
     (10, 'planner_proof_lookups', 'a6eb1a82f0ffe2b7f2a080b48118e1c150ec8a7e3ebb30e14609992c4de7561e'),
     (11, 'handed_pauses_and_ends', 'f52259f88492a95c0344d97dc95eba86e220ad53b9450c7ab858a6fc967efe70'),
-    (12, 'operations', '96108d076d579804604c2905fa0e340f439acec14a00bb4f377a610d99261f45');
+    (12, 'operations', '756d0ea526c2ac453284a821137715012f433477c67d62ab9bb66292fd4bc1c3');

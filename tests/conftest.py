@@ -87,7 +87,8 @@ async def database_url(pg_server: str, pg_template: str) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def stores(database_url: str) -> AsyncIterator[Stores]:
-    s = await Stores.connect(database_url, min_size=1, max_size=8)
+    # Planned as a worker plans (store/db.py, Database.connect): the transitions under test are a worker's.
+    s = await Stores.connect(database_url, min_size=1, max_size=8, generic_plans=True)
     yield s
     await s.close()
 
@@ -99,7 +100,9 @@ async def make_stores(database_url: str) -> AsyncIterator[MakeStores]:
     opened: list[Stores] = []
 
     async def make(n: int) -> list[Stores]:
-        batch = await asyncio.gather(*(Stores.connect(database_url, min_size=1, max_size=1) for _ in range(n)))
+        batch = await asyncio.gather(
+            *(Stores.connect(database_url, min_size=1, max_size=1, generic_plans=True) for _ in range(n))
+        )
         opened.extend(batch)
         return list(batch)
 

@@ -1,6 +1,5 @@
 -- What operators do to a live pause (`intermission pauses extend|expire`), as a transition like every other
 -- (0005_transitions.sql): one versioned function, named parameters, one statement, refusals returned.
--- (0010 is another change's number.)
 
 -- A live pause's deadline moved by an operator, as ONE transition: the pause's expires_at, and a run event
 -- (kind 'deadline_moved': the pause, the deadline before and after, who moved it) so that the change is on
