@@ -429,6 +429,51 @@ $$;
 
 
 --
+-- Name: intermission_mark_handed_sent_v1(uuid[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_mark_handed_sent_v1(p_message_ids uuid[]) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_message_id uuid;
+    v_marked integer := 0;
+    v_one integer;
+BEGIN
+    FOR v_message_id IN SELECT DISTINCT m FROM unnest(p_message_ids) AS m ORDER BY m LOOP
+        UPDATE outbox SET sent_at = now(), next_attempt_at = NULL
+         WHERE message_id = v_message_id AND sent_at IS NULL;
+        GET DIAGNOSTICS v_one = ROW_COUNT;
+        v_marked := v_marked + v_one;
+    END LOOP;
+    RETURN v_marked;
+END;
+$$;
+
+
+--
+-- Name: intermission_mark_sent_v1(bigint[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_mark_sent_v1(p_ids bigint[]) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_id bigint;
+    v_marked integer := 0;
+    v_one integer;
+BEGIN
+    FOR v_id IN SELECT DISTINCT i FROM unnest(p_ids) AS i ORDER BY i LOOP
+        UPDATE outbox SET sent_at = now() WHERE id = v_id AND sent_at IS NULL;
+        GET DIAGNOSTICS v_one = ROW_COUNT;
+        v_marked := v_marked + v_one;
+    END LOOP;
+    RETURN v_marked;
+END;
+$$;
+
+
+--
 -- Name: intermission_move_deadline_v1(text, text, text, bigint, double precision, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1442,17 +1487,17 @@ CREATE INDEX runs_by_scope ON public.runs USING btree (app, tenant, id);
 
 
 --
+-- Name: runs_by_session; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX runs_by_session ON public.runs USING btree (session_id, app, tenant);
+
+
+--
 -- Name: runs_ended_by_age; Type: INDEX; Schema: public; Owner: -
 --
 
 CREATE INDEX runs_ended_by_age ON public.runs USING btree (ended_at) WHERE (ended_at IS NOT NULL);
-
-
---
--- Name: runs_live_by_session; Type: INDEX; Schema: public; Owner: -
---
-
-CREATE INDEX runs_live_by_session ON public.runs USING btree (session_id, app, tenant) WHERE (state = ANY (ARRAY['created'::public.run_state, 'running'::public.run_state, 'paused'::public.run_state]));
 
 
 --
@@ -1574,6 +1619,7 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (7, 'inbox_per_scope', 'cb7e0cebf4787417bbd6803f9c158948bd0720531eed8655abce8b8b5f6bf89e'),
     (8, 'retention', 'fec842023816254a78af5ea6e9ad8ae6b1690d9a7fa00b8993a8e22fbcb2f79e'),
     (9, 'outbox_hold', 'afbffbae318298ff2d211eb5e108dc1abe590dc9c98ca5e56a935b31f69b2b6c'),
-    (10, 'planner_proof_lookups', 'a6eb1a82f0ffe2b7f2a080b48118e1c150ec8a7e3ebb30e14609992c4de7561e'),
+    (10, 'planner_proof_lookups', '58ef8c8339148b37bd275b02ef701e64e3931d22b042333ddd8945dfd4d5d48b'),
     (11, 'handed_pauses_and_ends', 'f52259f88492a95c0344d97dc95eba86e220ad53b9450c7ab858a6fc967efe70'),
-    (12, 'operations', '756d0ea526c2ac453284a821137715012f433477c67d62ab9bb66292fd4bc1c3');
+    (12, 'operations', '756d0ea526c2ac453284a821137715012f433477c67d62ab9bb66292fd4bc1c3'),
+    (13, 'marks_by_key', '581e07eb5ec33d932776bb2195c8a0aeb48487355734560272acc130e4bf5ed5');

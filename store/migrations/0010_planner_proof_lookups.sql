@@ -12,10 +12,15 @@
 -- Rebuilt with the column every one of their readers names by equality first, neither can serve a lookup
 -- by run id any more, so the unique keys (runs_pkey, runs_by_scope, suspensions_one_per_run) are the only
 -- candidates for one, whatever the statistics say:
---   * the session prune's "a live run uses this session" names app, tenant and session_id;
+--   * the session prune's "a live run uses this session" names session_id, app and tenant (and reads the
+--     run's state from the row);
 --   * the reply discovery lists a scope's agent_reply pauses: reason, app and tenant, ordered by run_id.
+-- The session index is no longer partial: a partial index whose condition a lookup implies (a run that is
+-- 'paused' is one of the live states) may be read whole, without any condition of the lookup's, and on a
+-- table that looks empty the planner found that as cheap as the key: a plan made then, and kept, walked it.
+-- An index without a condition is read only where a lookup's condition bounds it (or for its order).
 DROP INDEX runs_live_by_session;
-CREATE INDEX runs_live_by_session ON runs (session_id, app, tenant) WHERE state IN ('created', 'running', 'paused');
+CREATE INDEX runs_by_session ON runs (session_id, app, tenant);
 
 DROP INDEX suspensions_by_scope;
 CREATE INDEX suspensions_by_reason ON suspensions (reason, app, tenant, run_id);

@@ -45,18 +45,15 @@ SELECT id, message_id, routing_key, body, correlation_id, headers
 
 -- mark_outbox_sent --
 -- Rows whose publisher confirm arrived, marked in the transaction that claimed them, by the database
--- clock. $1 outbox ids (bigint[])
-UPDATE outbox
-   SET sent_at = now()
- WHERE id = ANY($1::bigint[]) AND sent_at IS NULL;
+-- clock, each by its own key probe (intermission_mark_sent_v1, migration 0013). $1 outbox ids (bigint[])
+SELECT intermission_mark_sent_v1($1::bigint[]) AS marked;
 
 -- mark_handed_outbox_sent --
 -- Rows whose writer published them from memory (handed over, migration 0009) and got the publisher confirm:
--- marked sent by the database clock, their hold cleared. A row a relay published meanwhile (its hold passed)
+-- marked sent by the database clock, their hold cleared, each by its own key probe
+-- (intermission_mark_handed_sent_v1, migration 0013). A row a relay published meanwhile (its hold passed)
 -- is sent already and stays as it is. $1 message ids (uuid[])
-UPDATE outbox
-   SET sent_at = now(), next_attempt_at = NULL
- WHERE message_id = ANY($1::uuid[]) AND sent_at IS NULL;
+SELECT intermission_mark_handed_sent_v1($1::uuid[]) AS marked;
 
 -- refuse_outbox --
 -- Rows the broker refused, in the transaction that claimed them: one more attempt each, with the broker's
