@@ -110,19 +110,15 @@ def of_intermission(measured: Mapping[str, Any]) -> Figures:
 def of_unloaded(measured: Mapping[str, Any]) -> Figures:
     """The unloaded measurement: latency and memory only."""
     peaks = [float(p) for p in measured.get("peak_rss_mib", [])]
-    return Figures(
-        per_second=None,
-        p50_ms=_number(measured["latency_ms"]["p50"]),
-        p99_ms=_number(measured["latency_ms"]["p99"]),
-        app_ms=None,
-        postgres_ms=None,
-        rabbitmq_ms=None,
-        peak_mib=max(peaks) if peaks else None,
-    )
+    return _latency_only(measured, max(peaks) if peaks else None)
 
 
 def of_floor(measured: Mapping[str, Any]) -> Figures:
     """The broker's floor: latency only."""
+    return _latency_only(measured, None)
+
+
+def _latency_only(measured: Mapping[str, Any], peak_mib: float | None) -> Figures:
     return Figures(
         per_second=None,
         p50_ms=_number(measured["latency_ms"]["p50"]),
@@ -130,6 +126,7 @@ def of_floor(measured: Mapping[str, Any]) -> Figures:
         app_ms=None,
         postgres_ms=None,
         rabbitmq_ms=None,
+        peak_mib=peak_mib,
     )
 
 

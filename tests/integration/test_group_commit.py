@@ -12,18 +12,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
-import asyncpg
 import pytest
 
-from intermission.agent.loop import default_executor
 from intermission.fleet.settings import Settings
-from intermission.fleet.worker import Worker, running_worker
-from intermission.publishers.clients import HostClient, Received, Subscription, version_of
-from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.fleet.worker import Worker
+from intermission.publishers.clients import HostClient, Received, Subscription
+from intermission.schemas.commands import StartCommand
 from intermission.schemas.errors import NotSuspended, RunConflict
 from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
 from intermission.schemas.run import RunState
@@ -34,8 +31,8 @@ from intermission.store import Stores
 from intermission.store.commands import Claimed
 from intermission.store.inbox import AlreadyApplied, Receipt
 from intermission.wire import Command
+from tests.support.batches import answer, held_back, one_batch_at_a_time
 from tests.support.fleet import outbox_keys
-from tests.support.waiting import eventually
 
 WAIT = 30.0
 LOOKUP = [{"call": [{"tool": "lookup", "arguments": {"query": "q"}}]}, {"say": "done"}]
@@ -48,14 +45,6 @@ def start(scope: Scope) -> StartCommand:
         agent_id="demo",
         input="hi",
         script=[ScriptTurn.model_validate(t) for t in LOOKUP],
-    )
-
-
-def answer(notice: Notice, content: str = "42") -> ResumeCommand:
-    return ResumeCommand(
-        scope=notice.scope,
-        version=version_of(notice),
-        results=[ToolAnswer(call_id=notice.pending[0].id, content=content)],
     )
 
 
@@ -95,52 +84,6 @@ async def pause_all(host: HostClient, heard: Heard, scope: Scope, n: int) -> lis
     found = await heard.until(lambda r: isinstance(r.event, Notice) and r.event.run_id in ids, n)
     by_run = {r.event.run_id: r.event for r in found}
     return [by_run[c.run_id] for c in commands]
-
-
-@asynccontextmanager
-async def one_batch_at_a_time(settings: Settings, stores: Stores) -> AsyncIterator[Worker]:
-    changed = settings.model_copy(update={"command_batches_in_flight": 1, "prefetch": 64})
-    async with running_worker(changed, executor=default_executor(), stores=stores) as w:
-        yield w
-
-
-@asynccontextmanager
-async def held_back(
-    stores: Stores, w: Worker, host: HostClient, blocker: Notice
-) -> AsyncIterator[Callable[[int], Awaitable[None]]]:
-    """Hold the worker's one batch on the blocker run's row lock. Yields ``gathered(n)``, which returns once
-    ``n`` deliveries wait for the next batch; leaving the block lets the lock go."""
-    assert w.consumers.batches is not None
-    batches = w.consumers.batches
-    con: asyncpg.Connection[Any] = await asyncpg.connect(stores.db.dsn)
-    try:
-        tx = con.transaction()
-        await tx.start()
-        await con.execute("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE", blocker.run_id)
-        await host.resume(answer(blocker))
-
-        async def blocked() -> bool:
-            # The blocker's claim (claim_pause, a batch of one) waits on the lock. Read on another connection:
-            # inside a transaction, pg_stat_activity is read once and kept.
-            async with stores.db.connection() as watcher:
-                waiting = await watcher.raw.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock' AND query LIKE 'SELECT c.outcome,%'"
-                )
-            return bool(waiting == 1)
-
-        await eventually(blocked, within=WAIT, what="the blocker's claim waiting on its lock")
-
-        async def gathered(n: int) -> None:
-            async def enough() -> bool:
-                return batches.waiting >= n
-
-            await eventually(enough, within=WAIT, what=f"{n} deliveries waiting for the next batch")
-
-        yield gathered
-        await tx.rollback()
-    finally:
-        await con.close()
 
 
 async def test_thirty_two_resumes_of_one_pause_in_one_batch_claim_it_once(

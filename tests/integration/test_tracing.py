@@ -10,23 +10,20 @@ import io
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import asyncpg
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanKind
 
-from intermission.agent.loop import default_executor
 from intermission.fleet.logs import json_handler
 from intermission.fleet.settings import Settings
-from intermission.fleet.worker import Worker, running_worker
-from intermission.publishers.clients import HostClient, Received, Subscription, version_of
-from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.fleet.worker import Worker
+from intermission.publishers.clients import HostClient, Received, Subscription
+from intermission.schemas.commands import StartCommand
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
@@ -37,6 +34,7 @@ from intermission.store.commands import RunDefaults
 from intermission.tracing import LINK_BATCH, LINK_COMMAND, LINK_KIND, LINK_PAUSE, LINK_TAKEN_OVER, parsed, trace_id_of
 from intermission.wire import TRACEPARENT_HEADER
 from tests.support import fleet
+from tests.support.batches import answer, held_back, one_batch_at_a_time
 from tests.support.tracing import recorded
 from tests.support.waiting import eventually
 
@@ -86,12 +84,6 @@ def start(scope: Scope) -> StartCommand:
         agent_id="demo",
         input="hi",
         script=[ScriptTurn.model_validate(t) for t in SCRIPT],
-    )
-
-
-def answer(notice: Notice) -> ResumeCommand:
-    return ResumeCommand(
-        scope=notice.scope, version=version_of(notice), results=[ToolAnswer(call_id=notice.pending[0].id, content="42")]
     )
 
 
@@ -255,51 +247,6 @@ async def test_a_resume_without_a_traceparent_continues_the_pauses_trace(
     assert hex_ids(second)[0] == run_trace
     assert parent_of(second) == hex_ids(pause)[1]
     assert links_of(second)[LINK_COMMAND] == hex_ids(resume_span)[1]
-
-
-@asynccontextmanager
-async def one_batch_at_a_time(settings: Settings, stores: Stores) -> AsyncIterator[Worker]:
-    changed = settings.model_copy(update={"command_batches_in_flight": 1, "prefetch": 64})
-    async with running_worker(changed, executor=default_executor(), stores=stores) as w:
-        yield w
-
-
-@asynccontextmanager
-async def held_back(
-    stores: Stores, w: Worker, host: HostClient, blocker: Notice
-) -> AsyncIterator[Callable[[int], Awaitable[None]]]:
-    """Hold the worker's one batch on the blocker run's row lock (as tests/integration/test_group_commit.py
-    does): the commands published meanwhile gather for the next batch, which runs once the block is left.
-    Yields ``gathered(n)``, which returns once ``n`` deliveries wait for it."""
-    assert w.consumers.batches is not None
-    batches = w.consumers.batches
-    con: asyncpg.Connection[Any] = await asyncpg.connect(stores.db.dsn)
-    try:
-        tx = con.transaction()
-        await tx.start()
-        await con.execute("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE", blocker.run_id)
-        await host.resume(answer(blocker))
-
-        async def blocked() -> bool:
-            async with stores.db.connection() as watcher:
-                waiting = await watcher.raw.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock' AND query LIKE 'SELECT c.outcome,%'"
-                )
-            return bool(waiting == 1)
-
-        await eventually(blocked, within=WAIT, what="the blocker's claim waiting on its lock")
-
-        async def gathered(n: int) -> None:
-            async def enough() -> bool:
-                return batches.waiting >= n
-
-            await eventually(enough, within=WAIT, what=f"{n} deliveries waiting for the next batch")
-
-        yield gathered
-        await tx.rollback()
-    finally:
-        await con.close()
 
 
 async def test_a_batch_keeps_each_command_in_its_own_trace_linked_to_their_one_transaction(
