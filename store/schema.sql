@@ -405,13 +405,48 @@ CREATE FUNCTION public.intermission_end_run_v2(p_run_id text, p_app text, p_tena
     AS $$
 BEGIN
     PERFORM intermission_hold_outbox_v1(p_outbox_hold);
-    SELECT e.revision, e.ending INTO revision, ending
-      FROM intermission_end_run_v1(
-        p_run_id, p_app, p_tenant, p_owner, p_at_revision, p_state, p_output, p_error, p_messages,
-        p_checkpoint_reason, p_run_event_id, p_run_event_kind, p_run_event_data, p_event, p_event_message_id,
-        p_event_routing_key, p_event_correlation_id, p_event_headers, p_step_count, p_tokens_used) AS e;
-    IF revision IS NOT NULL THEN
-        SELECT o.body INTO event_body FROM outbox o WHERE o.message_id = p_event_message_id;
+    WITH ended AS (
+        UPDATE runs r
+           SET state = p_state, revision = r.revision + 1, lease_owner = NULL, lease_expires_at = NULL,
+               output = p_output, error = p_error, updated_at = now(), ended_at = now(), ending = NULL,
+               step_count = COALESCE(p_step_count, r.step_count),
+               tokens_used = COALESCE(p_tokens_used, r.tokens_used)
+         WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
+           AND CASE WHEN p_owner IS NULL
+                    THEN p_at_revision IS NOT NULL AND r.revision = p_at_revision
+                    ELSE p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now()
+                         AND (r.ending IS NULL OR p_state = 'cancelled')
+               END
+        RETURNING r.id, r.app, r.tenant, r.revision, r.session_id
+    ), saved AS (
+        INSERT INTO session_messages (app, tenant, session_id, run_id, message)
+        SELECT e.app, e.tenant, e.session_id, e.id, t.m
+          FROM ended e, jsonb_array_elements(p_messages) WITH ORDINALITY AS t (m, n)
+         WHERE p_messages IS NOT NULL
+         ORDER BY t.n
+    ), no_progress AS (
+        DELETE FROM progress g USING ended e WHERE g.run_id = e.id
+    ), no_pause AS (
+        DELETE FROM suspensions s USING ended e WHERE s.run_id = e.id
+    ), closed AS (
+        UPDATE checkpoints k SET state = 'rejected', reason = p_checkpoint_reason, decided_at = now()
+          FROM ended e
+         WHERE k.run_id = e.id AND k.state = 'pending'
+    ), noted AS (
+        INSERT INTO run_events (event_id, run_id, app, tenant, kind, revision, data)
+        SELECT p_run_event_id, e.id, e.app, e.tenant, p_run_event_kind, e.revision, p_run_event_data FROM ended e
+    ), announced AS (
+        INSERT INTO outbox (message_id, routing_key, body, correlation_id, headers, app, tenant, run_id)
+        SELECT p_event_message_id, p_event_routing_key, (p_event || jsonb_build_object('revision', e.revision))::text,
+               p_event_correlation_id, p_event_headers, e.app, e.tenant, e.id
+          FROM ended e
+        RETURNING body
+    )
+    SELECT e.revision, (SELECT a.body FROM announced a) INTO revision, event_body FROM ended e;
+    IF revision IS NULL AND p_owner IS NOT NULL THEN
+        SELECT r.ending INTO ending FROM runs r
+         WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
+           AND p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now();
     END IF;
 END;
 $$;
@@ -603,19 +638,60 @@ CREATE FUNCTION public.intermission_pause_run_v2(p_run_id text, p_app text, p_te
     LANGUAGE plpgsql
     AS $$
 DECLARE
-    v_paused record;
+    v_result record;
 BEGIN
     PERFORM intermission_hold_outbox_v1(p_outbox_hold);
-    SELECT p.revision, p.pause, p.ending INTO v_paused
-      FROM intermission_pause_run_v1(
-        p_run_id, p_app, p_tenant, p_owner, p_reason, p_pending, p_continuation, p_approvers, p_ttl,
-        p_step_count, p_tokens_used, p_notice, p_event_message_id, p_event_routing_key,
-        p_event_correlation_id, p_event_headers) AS p;
-    revision := v_paused.revision;
-    pause := v_paused.pause;
-    ending := v_paused.ending;
-    IF revision IS NOT NULL THEN
-        SELECT o.body INTO event_body FROM outbox o WHERE o.message_id = p_event_message_id;
+    WITH moved AS (
+        UPDATE runs r
+           SET state = 'paused', revision = r.revision + 1, lease_owner = NULL, lease_expires_at = NULL,
+               step_count = p_step_count, tokens_used = p_tokens_used, updated_at = now()
+         WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
+           AND p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now()
+           AND r.ending IS NULL
+        RETURNING r.id, r.app, r.tenant, r.revision, COALESCE(p_ttl, r.pause_ttl_seconds) AS ttl
+    ), drawn AS (
+        SELECT m.*, nextval('suspension_ids') AS suspension_id FROM moved m
+    ), old_pause AS (
+        DELETE FROM suspensions s USING drawn d WHERE s.run_id = d.id
+        RETURNING 1
+    ), checkpoint AS (
+        INSERT INTO checkpoints (run_id, suspension_id, app, tenant, approvers)
+        SELECT d.id, d.suspension_id, d.app, d.tenant, p_approvers FROM drawn d WHERE p_reason = 'approval'
+        RETURNING id
+    ), created AS (
+        INSERT INTO suspensions AS s (id, run_id, app, tenant, reason, pending, continuation, expires_at,
+                                      checkpoint_id, approvers)
+        SELECT d.suspension_id, d.id, d.app, d.tenant, p_reason, p_pending, p_continuation,
+               CASE WHEN d.ttl > 0 THEN now() + make_interval(secs => d.ttl) END,
+               (SELECT k.id FROM checkpoint k), p_approvers
+          -- Reading old_pause makes the old pause go first: at most one pause per run (a unique index).
+          FROM drawn d, (SELECT count(*) FROM old_pause) AS gone
+        RETURNING s AS created_pause, s.id, s.expires_at, s.checkpoint_id
+    ), no_progress AS (
+        DELETE FROM progress g USING drawn d WHERE g.run_id = d.id
+    ), noted AS (
+        INSERT INTO run_events (event_id, run_id, app, tenant, kind, revision, data)
+        SELECT gen_random_uuid(), d.id, d.app, d.tenant, 'paused', d.revision,
+               jsonb_build_object('suspension_id', d.suspension_id)
+          FROM drawn d
+    ), announced AS (
+        INSERT INTO outbox (message_id, routing_key, body, correlation_id, headers, app, tenant, run_id)
+        SELECT p_event_message_id, p_event_routing_key,
+               (p_notice || jsonb_build_object('suspension_id', c.id, 'run_revision', d.revision,
+                                               'expires_at', c.expires_at, 'checkpoint_id', c.checkpoint_id))::text,
+               p_event_correlation_id, p_event_headers, d.app, d.tenant, d.id
+          FROM drawn d, created c
+        RETURNING body
+    )
+    SELECT d.revision, c.created_pause, (SELECT a.body FROM announced a) AS body
+      INTO v_result FROM drawn d, created c;
+    revision := v_result.revision;
+    pause := v_result.created_pause;
+    event_body := v_result.body;
+    IF revision IS NULL THEN
+        SELECT r.ending INTO ending FROM runs r
+         WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
+           AND p_owner <> '' AND r.lease_owner = p_owner AND r.lease_expires_at > now();
     END IF;
 END;
 $$;
@@ -1620,6 +1696,6 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (8, 'retention', 'fec842023816254a78af5ea6e9ad8ae6b1690d9a7fa00b8993a8e22fbcb2f79e'),
     (9, 'outbox_hold', 'afbffbae318298ff2d211eb5e108dc1abe590dc9c98ca5e56a935b31f69b2b6c'),
     (10, 'planner_proof_lookups', '58ef8c8339148b37bd275b02ef701e64e3931d22b042333ddd8945dfd4d5d48b'),
-    (11, 'handed_pauses_and_ends', 'f52259f88492a95c0344d97dc95eba86e220ad53b9450c7ab858a6fc967efe70'),
+    (11, 'handed_pauses_and_ends', '6928b01b570ccefbd07c62a41f60f8b8656f73e8f1e336d3b6bef63b17b01f4f'),
     (12, 'operations', '756d0ea526c2ac453284a821137715012f433477c67d62ab9bb66292fd4bc1c3'),
     (13, 'marks_by_key', '581e07eb5ec33d932776bb2195c8a0aeb48487355734560272acc130e4bf5ed5');
