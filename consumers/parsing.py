@@ -1,7 +1,8 @@
 """From a delivery to a validated command, or a typed refusal.
 
-Everything a worker reads off the wire is checked here, before any database access: the message_id (the
-idempotency key), the schema version header, the body's size and nesting depth (before anything parses
+Everything a worker reads off the wire is checked here, before any database access: the headers (how
+many, how large, and none nested past what the client decodes), the message_id (the idempotency key), the
+schema version header, the body's size and nesting depth (before anything parses
 it), and the body against the command's strict model (unknown fields are refused). A scope that is missing
 or malformed is ``invalid_scope``; any other shape problem is ``invalid_message``.
 
@@ -19,6 +20,7 @@ from typing import Any, Final, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json
 
+from intermission.amqp_headers import MAX_HEADER_DEPTH, TOO_DEEP
 from intermission.schemas.errors import Forbidden, InvalidMessage, InvalidScope, UnsupportedSchemaVersion
 from intermission.schemas.scope import Scope
 from intermission.wire import SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command, KeyScopeInvalid
@@ -38,6 +40,13 @@ MAX_JSON_DEPTH: Final = 64
 # An AMQP short string: the longest message_id the wire can carry, and so the longest an id may be.
 MAX_SHORT_STRING_BYTES: Final = 255
 
+# A command's headers: the schema version, perhaps a traceparent and tracestate, whatever a host adds for
+# its own tracing. These bounds are far above that and far below a frame: a refusal's dead copy adds its own
+# headers to the sender's, and must still fit (intermission/wire.py).
+MAX_HEADERS: Final = 64
+MAX_HEADER_VALUES: Final = 1024
+MAX_HEADER_BYTES: Final = 16 * 1024
+
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_A_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _DEPTH_CHANGE = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
@@ -55,8 +64,37 @@ class Delivery:
     correlation_id: str | None
 
 
+def check_headers(headers: dict[str, Any]) -> None:
+    """The header table within bounds: at most ``MAX_HEADERS`` headers, ``MAX_HEADER_VALUES`` values in
+    all, about ``MAX_HEADER_BYTES`` of names and values, and nothing nested deeper than the client decodes
+    (``amqp_headers.TOO_DEEP`` in its place). Walked without recursion, whatever a hand-made Delivery holds."""
+    if len(headers) > MAX_HEADERS:
+        raise InvalidMessage(f"the message has {len(headers)} headers, over the limit of {MAX_HEADERS}")
+    values, size = 0, 0
+    waiting: list[object] = [headers]
+    while waiting:
+        value = waiting.pop()
+        values += 1
+        if values > MAX_HEADER_VALUES:
+            raise InvalidMessage(f"the headers hold more than {MAX_HEADER_VALUES} values")
+        if value == TOO_DEEP:
+            raise InvalidMessage(f"a header nests deeper than {MAX_HEADER_DEPTH} tables or arrays")
+        if isinstance(value, dict):
+            size += sum(len(str(key)) for key in value)
+            waiting.extend(value.values())
+        elif isinstance(value, list | tuple):
+            waiting.extend(value)
+        elif isinstance(value, str | bytes | bytearray):
+            size += len(value)
+        else:
+            size += 9  # a number, a timestamp, a decimal: at most a type byte and eight bytes
+        if size > MAX_HEADER_BYTES:
+            raise InvalidMessage(f"the headers are larger than {MAX_HEADER_BYTES} bytes")
+
+
 def check_envelope(delivery: Delivery) -> str:
-    """The message_id and schema version; returns the message_id."""
+    """The headers, the message_id and the schema version; returns the message_id."""
+    check_headers(delivery.headers)
     if not delivery.message_id:
         raise InvalidMessage("the message has no message_id")
     if not delivery.message_id.isprintable():

@@ -29,9 +29,14 @@ from pamqp.commands import Basic
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 from yarl import URL
 
+from intermission import amqp_headers
 from intermission.schemas.errors import TransientError
 
 log = logging.getLogger("intermission.publishers")
+
+# Every connection of the product is made here: from now on, this process decodes header tables within
+# bounds, so that no message's headers can take a connection down (intermission/amqp_headers.py).
+amqp_headers.install()
 
 # Errors a later attempt may cure: the connection or channel went away, the broker refused or did not
 # confirm in time. Named one by one (aio-pika's CONNECTION_EXCEPTIONS also holds RuntimeError, which would

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from intermission.amqp_headers import TOO_DEEP
 from intermission.consumers.parsing import (
+    MAX_HEADER_BYTES,
+    MAX_HEADER_VALUES,
+    MAX_HEADERS,
     MAX_JSON_DEPTH,
     Delivery,
     check_body_limits,
@@ -94,3 +98,27 @@ def test_body_limits_are_checked_before_parsing() -> None:
 def test_message_ids_with_control_characters_are_refused() -> None:
     with pytest.raises(InvalidMessage, match="control"):
         check_envelope(delivery(message_id="a\x00b"))
+
+
+@pytest.mark.parametrize(
+    ("headers", "why"),
+    [
+        ({"x-schema-version": 1, "x-nest": {"k": TOO_DEEP}}, "nests deeper"),
+        ({"x-schema-version": 1, **{f"h{i}": i for i in range(MAX_HEADERS)}}, "headers, over the limit"),
+        ({"x-schema-version": 1, "x-many": list(range(MAX_HEADER_VALUES))}, "more than"),
+        ({"x-schema-version": 1, "x-big": "x" * (MAX_HEADER_BYTES + 1)}, "larger than"),
+        ({"x-schema-version": 1, "x-big": [b"y" * 9000, {"z": "z" * 9000}]}, "larger than"),
+    ],
+)
+def test_headers_past_their_bounds_are_refused_before_anything_reads_them(headers: dict[str, object], why: str) -> None:
+    with pytest.raises(InvalidMessage, match=why):
+        check_envelope(delivery(headers=headers))
+
+
+def test_headers_within_their_bounds_pass() -> None:
+    headers: dict[str, object] = {
+        "x-schema-version": 1,
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "x-host-note": {"nested": [1, 2, {"deeper": "yes"}]},
+    }
+    assert check_envelope(delivery(headers=headers)) == "m-1"
