@@ -56,6 +56,8 @@ TRACEPARENT_HEADER: Final = "traceparent"
 ERROR_HEADER: Final = "x-intermission-error"
 DETAIL_HEADER: Final = "x-intermission-detail"
 ORIGINAL_KEY_HEADER: Final = "x-intermission-routing-key"
+# On a dead copy whose sender's headers would not fit a frame beside the refusal's: why they were left out.
+HEADERS_DROPPED_HEADER: Final = "x-intermission-headers-dropped"
 # A dead copy's detail is for people; the header stays well inside what the broker accepts.
 MAX_DETAIL_CHARS: Final = 1000
 
@@ -296,9 +298,21 @@ def dead_copy(
     code: str,
     detail: str,
 ) -> aio_pika.Message:
-    """A refused command as it is kept in ``intermission.dead``: its body, id and headers unchanged, with
-    the refusal's code, detail and the command's routing key added."""
-    return aio_pika.Message(
+    """A refused command as it is kept in ``intermission.dead``: its body and id unchanged, its headers
+    but for any that imitate the refusal's or the broker's dead-lettering (``REFUSAL_HEADER_PREFIXES``:
+    the dead-letter tools believe a worker's copy, so a sender must not be able to write its refusal), with
+    the refusal's code, detail and the command's routing key added. When the sender's headers would make
+    the copy too large for a frame (the broker would close the whole connection over it), they are left out
+    and ``x-intermission-headers-dropped`` says why: the refusal always gets to the queue."""
+    refusal: dict[str, Any] = {
+        ERROR_HEADER: code,
+        DETAIL_HEADER: detail[:MAX_DETAIL_CHARS],
+        ORIGINAL_KEY_HEADER: routing_key,
+    }
+    kept = {
+        k: wire_safe(v) for k, v in headers.items() if isinstance(k, str) and not k.startswith(REFUSAL_HEADER_PREFIXES)
+    }
+    copy = aio_pika.Message(
         body,
         content_type=JSON,
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
@@ -307,20 +321,24 @@ def dead_copy(
         type=routing_key,
         # When it was refused: what the dead-letter queue's age is measured by.
         timestamp=datetime.now(UTC),
-        headers={
-            **{k: wire_safe(v) for k, v in headers.items() if isinstance(k, str)},
-            ERROR_HEADER: code,
-            DETAIL_HEADER: detail[:MAX_DETAIL_CHARS],
-            ORIGINAL_KEY_HEADER: routing_key,
-        },
+        headers={**kept, **refusal},
     )
+    problem = wire_problem(copy, routing_key)
+    if problem is not None:
+        # The schema version stays, so that a replay of the command is read as it was sent.
+        version = headers.get(SCHEMA_VERSION_HEADER)
+        copy.headers = {
+            **({SCHEMA_VERSION_HEADER: version} if isinstance(version, int) and not isinstance(version, bool) else {}),
+            **refusal,
+            HEADERS_DROPPED_HEADER: f"the sender's headers were left out: {problem}"[:MAX_DETAIL_CHARS],
+        }
+    return copy
 
 
-# The refusal's headers and the broker's dead-lettering history: a replayed command starts afresh.
+# The refusal's headers (every x-intermission- one) and the broker's dead-lettering history: a dead copy
+# never carries a sender's version of them, and a replayed command starts afresh.
 REFUSAL_HEADER_PREFIXES: Final = (
-    ERROR_HEADER,
-    DETAIL_HEADER,
-    ORIGINAL_KEY_HEADER,
+    "x-intermission-",
     "x-death",
     "x-first-death",
     "x-last-death",

@@ -3,12 +3,14 @@ queues."""
 
 from __future__ import annotations
 
+from typing import Final
+
 import click
 from aio_pika.abc import AbstractRobustConnection
 
 from intermission.ops.cli.app import broker, emit_json, json_option, load_settings, main, run_or_exit, say
 from intermission.ops.cli.processes import progress_bar
-from intermission.ops.dead import DeadLetter, DeadStats
+from intermission.ops.dead import DeadLetter, DeadStats, Kept, Replay
 
 
 @main.group("dead")
@@ -33,7 +35,10 @@ def dead_list(limit: int, as_json: bool) -> None:
         emit_json({"depth": stats.depth, "oldest_seconds": stats.oldest_seconds, "letters": letters})
         return
     for letter in letters:
-        click.echo(f"{letter.message_id or '-':<40} {letter.routing_key:<24} {letter.code:<28} {letter.detail}")
+        click.echo(
+            f"{letter.message_id or '-':<40} {letter.routing_key:<24} {letter.source:<6} {letter.code:<28} "
+            f"{letter.detail}"
+        )
     oldest = f", the oldest dead-lettered {stats.oldest_seconds:.0f} s ago" if stats.oldest_seconds else ""
     shown = f" ({len(letters)} shown)" if len(letters) < stats.depth else ""
     click.echo(f"{stats.depth} dead-lettered command(s){shown}{oldest}")
@@ -43,31 +48,65 @@ def dead_list(limit: int, as_json: bool) -> None:
 @click.option("--message-id", "message_ids", multiple=True, help="replay these (repeatable)")
 @click.option("--code", "codes", multiple=True, help="replay those refused with this code (repeatable)")
 @click.option("--all", "everything", is_flag=True, help="replay every dead-lettered command")
+@click.option(
+    "--yes",
+    "agreed",
+    is_flag=True,
+    help="replay, as the operator's own user, commands that were not sent by it, without asking",
+)
 @json_option
-def dead_replay(message_ids: tuple[str, ...], codes: tuple[str, ...], everything: bool, as_json: bool) -> None:
-    """Send dead-lettered commands back to their queues (after fixing what refused them)."""
+def dead_replay(
+    message_ids: tuple[str, ...], codes: tuple[str, ...], everything: bool, agreed: bool, as_json: bool
+) -> None:
+    """Send dead-lettered commands back to their queues (after fixing what refused them). A command goes
+    back only under a key naming the scope its body acts in; one that would go out as the operator's user
+    rather than its sender's is replayed only once the operator agreed (asked, or --yes)."""
     if not (message_ids or codes or everything):
         raise click.UsageError("say which: --message-id, --code or --all")
     settings = load_settings()
-    from intermission.ops.dead import dead_stats, replay_dead
+    from intermission.ops.dead import connection_user, dead_stats, list_dead, replay_dead, republished_as_another
 
     def wanted(letter: DeadLetter) -> bool:
         return everything or letter.message_id in message_ids or letter.code in codes
 
-    async def replay(connection: AbstractRobustConnection) -> list[DeadLetter]:
+    async def others(connection: AbstractRobustConnection) -> list[DeadLetter]:
+        me = connection_user(connection)
+        return [d for d in await list_dead(connection, 1000) if wanted(d) and republished_as_another(d, me)]
+
+    async def replay(connection: AbstractRobustConnection, as_another: bool) -> Replay:
         depth = (await dead_stats(connection)).depth
         with progress_bar() as bar:
             task = bar.add_task("replaying", total=depth)
-            return await replay_dead(connection, wanted, on_looked_at=lambda: bar.advance(task))
+            return await replay_dead(connection, wanted, on_looked_at=lambda: bar.advance(task), as_another=as_another)
 
-    async def run() -> list[DeadLetter]:
+    async def run() -> Replay:
         async with broker(settings) as connection:
-            return await replay(connection)
+            as_another = agreed
+            if not agreed and (foreign := await others(connection)):
+                for letter in foreign:
+                    sender = letter.user_id or "no user_id"
+                    say(f"{letter.message_id} ({letter.routing_key}) was sent by {sender}")
+                as_another = click.confirm(
+                    f"{len(foreign)} command(s) would go out as {connection_user(connection)}, "
+                    "which may act for more scopes than their senders: replay them as that user?",
+                    err=True,
+                    default=False,
+                )
+            return await replay(connection, as_another)
 
-    replayed = run_or_exit("dead replay", run(), settings)
+    done = run_or_exit("dead replay", run(), settings)
     if as_json:
-        emit_json({"replayed": replayed})
+        emit_json({"replayed": done.replayed, "kept": [{"letter": d, "why": why} for d, why in done.kept]})
         return
-    for letter in replayed:
+    for letter in done.replayed:
         click.echo(f"replayed {letter.message_id} ({letter.routing_key}, was {letter.code})")
-    say(f"{len(replayed)} command(s) replayed")
+    for letter, why in done.kept:
+        click.echo(f"kept {letter.message_id} ({letter.routing_key}): {_KEPT_BECAUSE[why]}")
+    say(f"{len(done.replayed)} command(s) replayed" + (f", {len(done.kept)} kept" if done.kept else ""))
+
+
+_KEPT_BECAUSE: Final = {
+    Kept.NOT_A_COMMAND: "its routing key is no command's",
+    Kept.SCOPE_MISMATCH: "its body acts in a scope its routing key does not name",
+    Kept.ANOTHER_IDENTITY: "it would go out as this user, not as its sender (not agreed)",
+}

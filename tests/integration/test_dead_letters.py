@@ -9,7 +9,7 @@ import uuid
 import aio_pika
 
 from intermission.fleet.worker import Worker
-from intermission.ops.dead import list_dead, replay_dead
+from intermission.ops.dead import Kept, list_dead, replay_dead
 from intermission.publishers.clients import HostClient, version_of
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.run import RunState
@@ -84,8 +84,12 @@ async def test_dead_letters_are_listed_in_place_and_replayed_once_fixed(
         assert {d.message_id for d in await list_dead(connection)} == {kept_failing, refused}  # nothing was taken
 
         sent = await capture(amqp_url, COMMANDS_EXCHANGE, Command.RESUME.binding)
-        replayed = await replay_dead(connection, lambda d: d.code == "delivery_limit")
-        assert [d.message_id for d in replayed] == [kept_failing]
+        # Published without a user_id, it goes out as the operator's user: only with the operator's consent.
+        refused_consent = await replay_dead(connection, lambda d: d.code == "delivery_limit")
+        assert refused_consent.replayed == []
+        assert [(d.message_id, why) for d, why in refused_consent.kept] == [(kept_failing, Kept.ANOTHER_IDENTITY)]
+        done = await replay_dead(connection, lambda d: d.code == "delivery_limit", as_another=True)
+        assert [d.message_id for d in done.replayed] == [kept_failing]
         # It died under the bare key of an older host; it goes back keyed by its body's scope.
         (again,) = await sent.wait_ids({kept_failing})
         assert again.routing_key == again.type == Command.RESUME.key(scope)
