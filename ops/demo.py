@@ -16,15 +16,17 @@ shown, never stored):
 - ``intermission-demo-bus``, trusted with every scope (``intermission users add --trusted``): it plays the
   bus peer, and the worker the demo starts takes agent replies from it alone (its ``bus_user``).
 
-The worker itself connects as the AMQP URL's user. When the management API does not answer (its plugin is
-off on a fresh broker) or refuses, the demo says so in one line and acts as the AMQP URL's own user for all
-three (on a fresh broker that is ``guest``), trusting it as the bus. A production fleet gives every process
-a user of its own (README, "Threat model").
+Both users are deleted when the demo ends, however it ends: a demo leaves no user behind, least of all
+one trusted with every scope. The worker itself connects as the AMQP URL's user. When the management API
+does not answer (its plugin is off on a fresh broker) or refuses, the demo says so in one line and acts as
+the AMQP URL's own user for all three (on a fresh broker that is ``guest``), trusting it as the bus. A
+production fleet gives every process a user of its own (README, "Threat model").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import uuid
@@ -36,7 +38,7 @@ import httpx
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import running_worker
 from intermission.ops.grants import BrokerGrants, ManagementError
-from intermission.publishers.amqp import amqp_nodes, with_credentials
+from intermission.publishers.amqp import amqp_nodes, safe_url, with_credentials
 from intermission.publishers.clients import BusClient, HostClient, version_of
 from intermission.schemas.commands import DecideCommand, Decision, ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
@@ -97,16 +99,18 @@ async def cast(settings: Settings, say: Say, users: DemoUsers = DemoUsers()) -> 
         await grants.add_user(users.bus, bus_password)
         await grants.trust(users.bus)
     except httpx.HTTPError as exc:
+        await _remove_quietly(grants, users)
         say(
-            f"RabbitMQ's management API does not answer at {access.url} ({type(exc).__name__}), so the host, the "
-            f"approver and the bus all act as {own}, the AMQP URL's own user; `{ENABLE_MANAGEMENT}` lets the "
+            f"RabbitMQ's management API does not answer at {safe_url(access.url)} ({type(exc).__name__}), so the "
+            f"host, the approver and the bus all act as {own}, the AMQP URL's own user; `{ENABLE_MANAGEMENT}` lets the "
             "demo confine its host to its scope."
         )
         return alone
     except ManagementError as exc:
+        await _remove_quietly(grants, users)
         say(
-            f"RabbitMQ's management API at {access.url} would not create the demo's users ({exc.detail}), so the "
-            f"host, the approver and the bus all act as {own}, the AMQP URL's own user."
+            f"RabbitMQ's management API at {safe_url(access.url)} would not create the demo's users "
+            f"({exc.detail}), so the host, the approver and the bus all act as {own}, the AMQP URL's own user."
         )
         return alone
     finally:
@@ -118,6 +122,25 @@ async def cast(settings: Settings, say: Say, users: DemoUsers = DemoUsers()) -> 
         users.bus,
         confined=True,
     )
+
+
+async def _remove_quietly(grants: BrokerGrants, users: DemoUsers) -> None:
+    """Delete the demo's users as far as the management API lets it (a half-made cast included)."""
+    for user in (users.host, users.bus):
+        with contextlib.suppress(httpx.HTTPError, ManagementError):
+            await grants.remove_user(user)
+
+
+async def dismiss(settings: Settings, users: DemoUsers = DemoUsers()) -> None:
+    """Delete the demo's users: the end of every demo that made them."""
+    access = settings.management()
+    grants = BrokerGrants.connect(
+        access.url, access.user, access.password, access.vhost, timeout=MANAGEMENT_TIMEOUT_SECONDS
+    )
+    try:
+        await _remove_quietly(grants, users)
+    finally:
+        await grants.close()
 
 
 def _turns(*turns: dict[str, object]) -> list[ScriptTurn]:
@@ -193,7 +216,15 @@ async def play(settings: Settings, say: Say, users: DemoUsers = DemoUsers()) -> 
     for applied in await migrate(settings.database_url):
         say(f"  applied migration {applied.version:04d}_{applied.name}")
     actors = await cast(settings, say, users)
-    settings = settings.model_copy(update={"bus_user": actors.bus_user})
+    try:
+        return await _perform(settings.model_copy(update={"bus_user": actors.bus_user}), say, actors)
+    finally:
+        if actors.confined:
+            await dismiss(settings, users)
+
+
+async def _perform(settings: Settings, say: Say, actors: Cast) -> int:
+    """The three runs, played by ``actors``; returns how many completed."""
 
     async with (
         running_worker(settings) as worker,

@@ -3,7 +3,8 @@
 A host user holds exactly these permissions on the vhost (docs/contracts.md, "Who may publish and read
 what"), for the scopes it was granted:
 
-- configure, write and read on its own queues only (``amq.gen-*`` and ``<user>.*``);
+- configure, write and read on its own queues only (``<user>.*``; not the server-named ``amq.gen-*``,
+  which belong to nobody the broker can tell, so a revocation could not find them);
 - write on ``intermission.commands``, and there only routing keys ``run.<command>.<app>.<tenant>`` of its
   scopes (a topic write permission), so the bare key and every other scope's key are refused by the broker;
 - read on ``intermission.events``, and there only bindings of its scopes' keys (a topic read permission:
@@ -15,6 +16,13 @@ scopes live in the topic patterns, as an alternation of escaped ``app\\.tenant``
 rewrites them whole. Every pattern is built here from validated scope names (``[A-Za-z0-9_-]{1,64}``),
 escaped, never from text a caller typed.
 
+Every change fails closed. A user's topic permissions are written before its vhost permissions (without
+them RabbitMQ lets a user publish any routing key), so a failure halfway leaves a user that can do less,
+never more; any narrowing closes the user's connections (RabbitMQ caches permission checks per connection)
+and removes the revoked scopes' bindings from every queue it may read. A user name is checked against the
+patterns it is used in: no dots (``acme``'s queues, ``acme.*``, would hold ``acme.eu``'s), and none of the
+names whose ``<name>.*`` is the broker's or the product's own (``amq``, ``intermission``).
+
 The management HTTP API applies the grants (``INTERMISSION_MANAGEMENT_URL``, with the credentials of
 ``INTERMISSION_MANAGEMENT_USER``/``_PASSWORD``); ``rabbitmqctl_lines`` gives the same grants as commands
 for operators without the API.
@@ -25,13 +33,21 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
+from typing import Final
 from urllib.parse import quote
 
 import httpx
 
 from intermission.schemas.errors import InvalidArgument
 from intermission.schemas.scope import Reach, Scope
-from intermission.wire import COMMANDS_EXCHANGE, EVENTS_EXCHANGE
+from intermission.wire import COMMANDS_EXCHANGE, EVENTS_EXCHANGE, UNREADABLE_SCOPE
+
+# A user name the patterns can hold: what a scope part may be, so that ``<user>\.`` is never a prefix of
+# another user's namespace.
+USER_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# Names whose ``<name>.*`` namespace is the broker's (``amq.gen-*``, ``amq.topic``) or the product's
+# (``intermission.commands``, the command queues, ``intermission.dead``).
+RESERVED_USER_NAMES: Final = frozenset({"amq", "intermission"})
 
 _ALTERNATION = re.compile(r"^\(\?:(?P<scopes>.*)\)\$$")
 _COMMAND_KEYS_PREFIX = r"^run\.[a-z]+\."
@@ -62,13 +78,34 @@ def _scope_alternation(scopes: list[Scope]) -> str:
     return "(?:" + "|".join(pairs) + ")$"
 
 
+def check_user_name(user: str) -> None:
+    """InvalidArgument unless ``user`` can be a host's name in the permission patterns."""
+    if not USER_NAME.fullmatch(user):
+        raise InvalidArgument(
+            f"the user name {user!r} cannot be confined: use letters, digits, '_' and '-' only (at most 128), "
+            "no dots, so that no user's queues are inside another's"
+        )
+    if user.lower() in RESERVED_USER_NAMES:
+        raise InvalidArgument(f"the user name {user!r} is reserved: its queues would be the broker's or the fleet's")
+
+
+def check_grantable(scope: Scope) -> None:
+    """InvalidArgument for the placeholder scope of refusals whose scope could not be read: whoever held it
+    would hear every such refusal, of every tenant."""
+    if scope.routing_suffix() == UNREADABLE_SCOPE:
+        raise InvalidArgument(f"the scope {UNREADABLE_SCOPE} is reserved for refusals of unreadable commands")
+
+
 def own_queues(user: str) -> str:
-    return rf"amq\.gen-.*|{re.escape(user)}\..*"
+    return rf"{re.escape(user)}\..*"
 
 
 def host_permissions(user: str, scopes: list[Scope]) -> Permissions:
     if not scopes:
         raise InvalidArgument("a host user needs at least one scope")
+    check_user_name(user)
+    for scope in scopes:
+        check_grantable(scope)
     alternation = _scope_alternation(scopes)
     queues = own_queues(user)
     return Permissions(
@@ -203,17 +240,15 @@ class BrokerGrants:
         return found
 
     async def set_scopes(self, user: str, scopes: list[Scope]) -> None:
-        """Make ``user``'s permissions exactly the host permissions for ``scopes`` (none: no access)."""
+        """Make ``user``'s permissions exactly the host permissions for ``scopes`` (none: no access). Fails
+        closed: the vhost permissions go first when access is taken away, last when it is given, so that at
+        no moment, and after no failure, does the user hold vhost permissions without the topic permissions
+        that confine them."""
         if not scopes:
             await self._request("DELETE", self._path("permissions", self.vhost, user))
             await self._request("DELETE", self._path("topic-permissions", self.vhost, user))
             return
         p = host_permissions(user, scopes)
-        await self._request(
-            "PUT",
-            self._path("permissions", self.vhost, user),
-            {"configure": p.configure, "write": p.write, "read": p.read},
-        )
         await self._request(
             "PUT",
             self._path("topic-permissions", self.vhost, user),
@@ -224,14 +259,26 @@ class BrokerGrants:
             self._path("topic-permissions", self.vhost, user),
             {"exchange": EVENTS_EXCHANGE, "write": NOTHING, "read": p.events_read},
         )
+        await self._request(
+            "PUT",
+            self._path("permissions", self.vhost, user),
+            {"configure": p.configure, "write": p.write, "read": p.read},
+        )
 
     async def grant(self, user: str, scope: Scope) -> list[Scope]:
-        """Add ``scope`` to what ``user`` may act for; returns its scopes now."""
+        """Add ``scope`` to what ``user`` may act for; returns its scopes now. A user trusted with every scope
+        until now is narrowed to this one: its open connections are closed, so that none goes on with the
+        rights it lost."""
+        check_user_name(user)
+        check_grantable(scope)
         await self._require_user(user)
+        was_trusted = (await self.reach(user)).every_scope
         scopes = await self.scopes(user)
         if scope not in scopes:
             scopes.append(scope)
         await self.set_scopes(user, scopes)
+        if was_trusted:
+            await self.disconnect(user, reason=f"intermission grant: confined to {', '.join(map(str, scopes))}")
         return scopes
 
     async def revoke(self, user: str, scope: Scope) -> list[Scope]:
@@ -254,11 +301,17 @@ class BrokerGrants:
             "GET", self._path("exchanges", self.vhost, EVENTS_EXCHANGE, "bindings", "source")
         )
         suffix = f".{scope.routing_suffix()}"
+        # Every queue the user may read: its own, and (granted before server-named queues were taken out of
+        # a host's permissions) any amq.gen-* queue, whose declaring user the broker does not record. Once
+        # the permissions are rewritten the user may no longer read amq.gen-* queues at all; their bindings
+        # of the revoked scope are removed here too, so that such a queue never again holds that scope's
+        # events for whoever reads it next.
+        readable = re.compile(rf"^(?:{own_queues(user)}|amq\.gen-.*)$")
         doomed = [
             b
             for b in response.json()
             if b.get("destination_type") == "queue"
-            and str(b.get("destination", "")).startswith(f"{user}.")
+            and readable.match(str(b.get("destination", "")))
             and str(b.get("routing_key", "")).endswith(suffix)
         ]
         for b in doomed:
@@ -281,10 +334,19 @@ class BrokerGrants:
 
     async def add_user(self, user: str, password: str) -> bool:
         """Create ``user`` with ``password`` and no permissions (or set the password of an existing one,
-        leaving its permissions as they are); returns whether it was created."""
-        existed = (await self._client.get(self._path("users", user))).status_code == 200
-        await self._request("PUT", self._path("users", user), {"password": password, "tags": ""})
-        return not existed
+        leaving its permissions and its tags as they are); returns whether it was created."""
+        found = await self._client.get(self._path("users", user))
+        if found.status_code >= 400 and found.status_code != 404:
+            raise ManagementError(f"reading user {user}: {found.status_code} {found.text[:300]}")
+        tags = found.json().get("tags", []) if found.status_code == 200 else []
+        # The API gives tags as a list (or, in older versions, a comma-separated string) and takes a string.
+        tags_text = ",".join(tags) if isinstance(tags, list) else str(tags)
+        await self._request("PUT", self._path("users", user), {"password": password, "tags": tags_text})
+        return found.status_code == 404
+
+    async def remove_user(self, user: str) -> None:
+        """Delete ``user`` (its permissions and connections with it); nothing when there is no such user."""
+        await self._request("DELETE", self._path("users", user))
 
     async def trust(self, user: str) -> None:
         """Give ``user`` every right on this vhost and every scope (no topic permissions): for the fleet's

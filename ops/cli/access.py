@@ -3,6 +3,7 @@ management HTTP API (``ops/grants.py``)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -10,7 +11,8 @@ import click
 
 from intermission.fleet.settings import Settings
 from intermission.ops.cli.app import emit_json, json_option, load_settings, main, run_or_exit, scope_of
-from intermission.ops.grants import BrokerGrants, rabbitmqctl_lines
+from intermission.ops.grants import BrokerGrants, check_user_name, rabbitmqctl_lines
+from intermission.schemas.errors import InvalidArgument
 from intermission.schemas.scope import Scope
 
 T = TypeVar("T")
@@ -42,21 +44,58 @@ def users_group() -> None:
 
 @users_group.command("add")
 @click.argument("user")
-@click.option("--password", prompt=True, hide_input=True, confirmation_prompt=True, help="asked for when not given")
+@click.option("--password-stdin", is_flag=True, help="read the password from standard input (its first line)")
+@click.option(
+    "--password-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="read the password from this file (its first line), such as a mounted secret",
+)
+@click.option(
+    "--password",
+    help="the password itself; it then shows in the shell's history and the process list: prefer the others",
+)
 @click.option("--trusted", is_flag=True, help="every scope: for workers, sweepers and the bus, never a host")
-def users_add_command(user: str, password: str, trusted: bool) -> None:
+def users_add_command(
+    user: str, password_stdin: bool, password_file: str | None, password: str | None, trusted: bool
+) -> None:
     """Create the RabbitMQ user USER with no rights (a host, to be granted scopes with `grant`), or with
-    every right (--trusted). An existing user gets the new password and keeps its rights, unless --trusted."""
+    every right (--trusted). An existing user gets the new password and keeps its rights and tags, unless
+    --trusted. Without a password option, the password is asked for."""
+    if not trusted:
+        try:
+            check_user_name(user)
+        except InvalidArgument as exc:
+            raise click.BadParameter(exc.detail, param_hint="USER") from exc
+    secret = _password(password_stdin, password_file, password)
     settings = load_settings()
 
     async def run(grants: BrokerGrants) -> None:
-        created = await grants.add_user(user, password)
+        created = await grants.add_user(user, secret)
         if trusted:
             await grants.trust(user)
         rights = "every scope" if trusted else "no scope yet (intermission grant)"
         click.echo(f"{'created' if created else 'updated'} {user}: {rights}")
 
     run_or_exit("users add", _with_grants(settings, run), settings)
+
+
+def _password(from_stdin: bool, path: str | None, given: str | None) -> str:
+    """The one password the options name, from standard input, a file, the command line, or a prompt."""
+    if sum((from_stdin, path is not None, given is not None)) > 1:
+        raise click.UsageError("give the password one way: --password-stdin, --password-file or --password")
+    found: str
+    if from_stdin:
+        found = sys.stdin.readline().rstrip("\r\n")
+    elif path is not None:
+        with open(path, encoding="utf-8") as file:
+            found = file.readline().rstrip("\r\n")
+    elif given is not None:
+        found = given
+    else:
+        found = str(click.prompt("Password", hide_input=True, confirmation_prompt=True))
+    if not found:
+        raise click.UsageError("the password is empty")
+    return found
 
 
 @main.command("grant")

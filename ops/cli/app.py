@@ -117,7 +117,7 @@ def _server_down(exc: BaseException, settings: Settings | None) -> ServerDown | 
     if isinstance(exc, aiormq.exceptions.AMQPConnectionError):
         return ServerDown(RABBITMQ, safe_url(settings.amqp_url), exc)
     if isinstance(exc, httpx.TransportError):
-        return ServerDown(MANAGEMENT_API, settings.management().url, exc)
+        return ServerDown(MANAGEMENT_API, safe_url(settings.management().url), exc)
     return None
 
 

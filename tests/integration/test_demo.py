@@ -20,7 +20,7 @@ import pytest
 from yarl import URL
 
 from intermission.fleet.settings import Settings
-from intermission.ops.demo import ENABLE_MANAGEMENT, SCOPE, DemoUsers, cast, play
+from intermission.ops.demo import ENABLE_MANAGEMENT, SCOPE, DemoUsers, cast, dismiss, play
 from intermission.ops.grants import NOTHING, host_permissions
 from intermission.publishers.amqp import PublishFailed
 from intermission.publishers.clients import HostClient
@@ -99,7 +99,13 @@ async def test_the_demo_acts_as_a_host_confined_to_its_scope_and_a_bus_of_its_ow
     async with stores.db.connection() as con:
         assert await con.raw.fetchval("SELECT array_agg(decided_by) FROM checkpoints") == [demo_users.host]
 
-    # The host is confined: exactly what `intermission grant` gives a host of demo/local, nothing more.
+    # The demo leaves no user behind, least of all its trusted bus.
+    async with management.client() as http:
+        for user in (demo_users.host, demo_users.bus):
+            assert (await http.get(f"/api/users/{user}")).status_code == 404
+
+    # While it plays, the host is confined: exactly what `intermission grant` gives a host of demo/local.
+    await cast(settings, story.append, demo_users)
     p = host_permissions(demo_users.host, [SCOPE])
     rights, topics = await permissions_of(management, demo_users.host, amqp_vhost.name)
     assert rights == [{"configure": p.configure, "write": p.write, "read": p.read}]
@@ -111,6 +117,10 @@ async def test_the_demo_acts_as_a_host_confined_to_its_scope_and_a_bus_of_its_ow
     rights, topics = await permissions_of(management, demo_users.bus, amqp_vhost.name)
     assert rights == [{"configure": ".*", "write": ".*", "read": ".*"}]
     assert topics == []
+    await dismiss(settings, demo_users)
+    async with management.client() as http:
+        for user in (demo_users.host, demo_users.bus):
+            assert (await http.get(f"/api/users/{user}")).status_code == 404
 
 
 async def test_every_demo_gives_its_users_fresh_passwords_and_its_host_no_other_scope(
