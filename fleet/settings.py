@@ -143,6 +143,14 @@ class Settings(BaseSettings):
     console_session_max_seconds: float = Field(default=12 * 3600.0, gt=0)
     # Send the session cookie only over HTTPS (Secure): on whenever a TLS proxy serves the console.
     console_https_only: bool = False
+    # Sessions the console holds at once (each one a person's AMQP connection, a queue and a task): past it a
+    # login is refused until one ends. A person's own sessions past console_sessions_per_user end, oldest
+    # first, as new ones begin.
+    console_max_sessions: int = Field(default=1000, ge=1, le=100_000)
+    console_sessions_per_user: int = Field(default=8, ge=1, le=1000)
+    # Requests in flight at once, and live-update streams open at once, past which the console answers 503.
+    console_max_requests: int = Field(default=64, ge=1, le=10_000)
+    console_max_streams: int = Field(default=512, ge=1, le=100_000)
 
     def management(self) -> ManagementAccess:
         """Where and as whom the grant commands reach the management API, and for which vhost."""

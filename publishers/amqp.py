@@ -311,6 +311,18 @@ class NodesConnection(aio_pika.RobustConnection):
         self.factory = factory
         self._on_node: URL | None = None
 
+    def forget_password(self) -> None:
+        """Drop the password from everything this connection keeps to reconnect with. It can then never
+        reconnect: what a connection opened with a person's own password should do once it is open (the
+        console ends the person's session when it is lost, and they log in again)."""
+        self.url = self.url.with_password(None)
+        self.factory.nodes = [node.with_password(None) for node in self.factory.nodes]
+        if self.factory.current is not None:
+            self.factory.current = self.factory.current.with_password(None)
+        transport = self.transport
+        if transport is not None:
+            transport.connection.url = transport.connection.url.with_password(None)
+
     @property
     def node_url(self) -> URL:
         """The URL of the node this connection is on (the first node before it ever connected)."""

@@ -38,6 +38,7 @@ from starlette.templating import Jinja2Templates
 
 from intermission.fleet.settings import Settings
 from intermission.ops.console import views
+from intermission.ops.console.limits import RequestBounds
 from intermission.ops.console.security import SecurityHeaders, local_path, new_token, token_matches
 from intermission.ops.console.sessions import (
     BrokerUnavailable,
@@ -47,7 +48,8 @@ from intermission.ops.console.sessions import (
     Sessions,
     log_in,
 )
-from intermission.ops.dead import DeadStats, dead_stats, list_dead
+from intermission.ops.console.throttle import LoginThrottle
+from intermission.ops.dead import dead_stats, list_dead
 from intermission.ops.grants import BrokerGrants, ManagementError
 from intermission.publishers.amqp import PublishFailed, connect
 from intermission.schemas.commands import DecideCommand
@@ -65,35 +67,9 @@ OUTCOME_SECONDS: Final = 10.0
 # A live-update stream says something at least this often, so proxies and browsers keep it open.
 KEEPALIVE_SECONDS: Final = 15.0
 LIVE_STATES: Final = frozenset({RunState.PAUSED, RunState.RUNNING})
-DEAD_SHOWN: Final = 200
-# Failed logins of one user name before the console stops trying that name for FAILED_LOGIN_SECONDS: a
-# password is guessed against the broker, and the console must not be a faster way to do it.
-FAILED_LOGINS: Final = 5
-FAILED_LOGIN_SECONDS: Final = 60.0
-
-
-class FailedLogins:
-    """Failed logins per user name within the last ``FAILED_LOGIN_SECONDS``."""
-
-    def __init__(self) -> None:
-        self._failures: dict[str, list[float]] = {}
-
-    def _recent(self, user: str, now: float) -> list[float]:
-        recent = [t for t in self._failures.get(user, []) if now - t < FAILED_LOGIN_SECONDS]
-        if recent:
-            self._failures[user] = recent
-        else:
-            self._failures.pop(user, None)
-        return recent
-
-    def blocked(self, user: str, now: float) -> bool:
-        return len(self._recent(user, now)) >= FAILED_LOGINS
-
-    def failed(self, user: str, now: float) -> None:
-        self._failures.setdefault(user, []).append(now)
-
-    def succeeded(self, user: str) -> None:
-        self._failures.pop(user, None)
+# Dead letters are read whole off the queue (basic.get), a page at a time, and only so far into it.
+DEAD_PAGE: Final = 20
+DEAD_PAGES: Final = 5
 
 
 def templates() -> Jinja2Templates:
@@ -118,10 +94,13 @@ class Console:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.sessions = Sessions(
-            idle_seconds=settings.console_idle_seconds, max_seconds=settings.console_session_max_seconds
+            idle_seconds=settings.console_idle_seconds,
+            max_seconds=settings.console_session_max_seconds,
+            max_sessions=settings.console_max_sessions,
+            per_user=settings.console_sessions_per_user,
         )
         self.pages = templates()
-        self.failed_logins = FailedLogins()
+        self.throttle = LoginThrottle()
         self._stores: Stores | None = None
         self._grants: BrokerGrants | None = None
         self._broker: AbstractRobustConnection | None = None
@@ -269,12 +248,25 @@ class Console:
         if not isinstance(user, str) or not isinstance(password, str) or not user or not password:
             return self.login_page(request, error="Give a user and a password.", user="", status_code=400)
         user = user.strip()
-        now = asyncio.get_running_loop().time()
-        if self.failed_logins.blocked(user, now):
+        if self.sessions.full:
             return self.login_page(
-                request, error="Too many failed logins for this user; wait a minute.", user=user, status_code=429
+                request,
+                error="The console holds as many sessions as it may; try again later.",
+                user=user,
+                status_code=503,
+            )
+        address = request.client.host if request.client is not None else "unknown"
+        clock = asyncio.get_running_loop().time
+        wait = self.throttle.begin(user, address, clock())
+        if wait is not None:
+            return self.login_page(
+                request,
+                error=f"Too many failed logins; try again in {max(1, round(wait))} s.",
+                user=user,
+                status_code=429,
             )
         settings = self.settings
+        refused: bool | None = None
         try:
             session = await log_in(
                 settings.amqp_url,
@@ -284,8 +276,9 @@ class Console:
                 connect_timeout=settings.amqp_connect_timeout_seconds,
                 reconnect_interval=settings.amqp_reconnect_seconds,
             )
+            refused = False
         except LoginRefused:
-            self.failed_logins.failed(user, now)
+            refused = True
             log.info("console login refused", extra={"action": "console_login_refused", "user": user})
             return self.login_page(
                 request, error="RabbitMQ refused this user and password.", user=user, status_code=401
@@ -298,8 +291,10 @@ class Console:
             return self.login_page(
                 request, error="Your grants on the broker could not be read.", user=user, status_code=503
             )
-        self.failed_logins.succeeded(user)
-        self.sessions.add(session)
+        finally:
+            self.throttle.finish(user, address, clock(), refused=refused)
+        for evicted in self.sessions.add(session):
+            await evicted.close()
         # A new cookie for the new session: nothing of the anonymous one (its CSRF token) carries over.
         request.session.clear()
         request.session["sid"] = session.id
@@ -447,16 +442,18 @@ class Console:
         async def page(session: ConsoleSession) -> Response:
             assert self._broker is not None
             broker = self._broker
+            number = views.page_number(request.query_params.get("page"), DEAD_PAGES)
             async with self._dead_lock:
-                stats: DeadStats = await dead_stats(broker)
-                letters = await list_dead(broker, DEAD_SHOWN)
-            shown = views.visible_letters(letters, session.reach)
+                # The queue's own figures are the fleet's: only a person trusted with every scope sees them.
+                stats = await dead_stats(broker) if session.reach.every_scope else None
+                letters = await list_dead(broker, DEAD_PAGE * number)
+            looked_at = letters[DEAD_PAGE * (number - 1) :]
             context = {
                 "active": "dead",
-                "letters": shown,
-                "depth": stats.depth,
-                "looked_at": len(letters),
-                "oldest_seconds": stats.oldest_seconds,
+                "letters": views.visible_letters(looked_at, session.reach),
+                "stats": stats,
+                "page": number,
+                "more": len(letters) == DEAD_PAGE * number and number < DEAD_PAGES,
             }
             return self.render(request, "dead.html", context, session=session)
 
@@ -513,6 +510,7 @@ def build_app(settings: Settings) -> Starlette:
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
     middleware = [
+        Middleware(RequestBounds, max_requests=settings.console_max_requests, max_streams=settings.console_max_streams),
         Middleware(SecurityHeaders),
         Middleware(
             SessionMiddleware,

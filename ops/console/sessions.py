@@ -5,7 +5,12 @@ is published on it, so the broker validates its ``user_id``), the scopes the bro
 again every ``REACH_SECONDS``, so a grant or a revocation shows within seconds), the subscription that
 hears their scopes' events, their last decisions and the pages waiting for live updates. The browser holds
 only the session's random id, in the signed session cookie; the password is used once, to open the
-connection, and kept nowhere.
+connection, and then dropped from everything the connection keeps (``forget_password``), so that it can
+never reconnect: a session whose connection is lost (a broker restart, a closed connection, a revocation)
+ends, and the person logs in again with what is their password then.
+
+The console holds at most ``max_sessions`` sessions (a login past that is refused), and a person at most
+``per_user``: a new login ends their oldest.
 
 A session ends on logout, after ``idle_seconds`` without a request, or ``max_seconds`` after login; its
 connection is closed then.
@@ -28,7 +33,7 @@ from typing import Final
 import aiormq
 
 from intermission.ops.console.listener import Change, Listener, Verdict
-from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, with_credentials
+from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, NodesConnection, with_credentials
 from intermission.publishers.clients import HostClient
 from intermission.schemas.commands import Decision
 from intermission.schemas.scope import Reach, Scope
@@ -117,8 +122,13 @@ async def log_in(
         raise LoginRefused(user) from exc
     except TRANSIENT_AMQP_ERRORS as exc:
         raise BrokerUnavailable(type(exc).__name__) from exc
+    connection = client.connection
+    if isinstance(connection, NodesConnection):
+        connection.forget_password()
     try:
         session = ConsoleSession(user, client, await read_reach(user), read_reach)
+        # Lost, it cannot reconnect without the password: the session is over.
+        connection.close_callbacks.add(session.connection_lost)
         await session.start_listening()
     except BaseException:
         await client.close()
@@ -144,6 +154,10 @@ class ConsoleSession:
         self._streams: set[asyncio.Queue[Change | None]] = set()
         self._listener: Listener | None = None
         self.closed = False
+        self.lost = False
+
+    def connection_lost(self, *_: object) -> None:
+        self.lost = True
 
     # --- grants and the subscription ----------------------------------------------------------------
 
@@ -230,15 +244,35 @@ class ConsoleSession:
 class Sessions:
     """Every session of this console process, by id."""
 
-    def __init__(self, *, idle_seconds: float, max_seconds: float) -> None:
+    def __init__(self, *, idle_seconds: float, max_seconds: float, max_sessions: int = 1000, per_user: int = 8) -> None:
         self.idle_seconds = idle_seconds
         self.max_seconds = max_seconds
+        self.max_sessions = max_sessions
+        self.per_user = per_user
         self._by_id: dict[str, ConsoleSession] = {}
         # Closings started from a request, held so that they are not collected before they finish.
         self._closing: set[asyncio.Task[None]] = set()
 
-    def add(self, session: ConsoleSession) -> None:
+    @property
+    def full(self) -> bool:
+        """Whether a new login must be refused: every place is taken."""
+        return len(self._by_id) >= self.max_sessions
+
+    def add(self, session: ConsoleSession) -> list[ConsoleSession]:
+        """Keep ``session``; returns the sessions it displaced, for the caller to close: its person's oldest
+        past ``per_user``, and (a race of logins past ``full``) the oldest of all past ``max_sessions``."""
         self._by_id[session.id] = session
+        displaced: list[ConsoleSession] = []
+        theirs = sorted((s for s in self._by_id.values() if s.user == session.user), key=lambda s: s.created_at)
+        displaced += theirs[: max(0, len(theirs) - self.per_user)]
+        for old in displaced:
+            self._by_id.pop(old.id, None)
+        if len(self._by_id) > self.max_sessions:
+            oldest = sorted(self._by_id.values(), key=lambda s: s.created_at)[: len(self._by_id) - self.max_sessions]
+            for old in oldest:
+                self._by_id.pop(old.id, None)
+            displaced += oldest
+        return displaced
 
     def get(self, session_id: object) -> ConsoleSession | None:
         """The live session ``session_id`` names, marked as used now; None when there is none (never was,
@@ -259,7 +293,9 @@ class Sessions:
         return session
 
     def _expired(self, session: ConsoleSession, now: float) -> bool:
-        return now - session.last_seen > self.idle_seconds or now - session.created_at > self.max_seconds
+        return (
+            session.lost or now - session.last_seen > self.idle_seconds or now - session.created_at > self.max_seconds
+        )
 
     async def end(self, session_id: object) -> None:
         if isinstance(session_id, str):

@@ -12,7 +12,6 @@ from datetime import UTC, datetime
 
 from intermission.ops.dead import DeadLetter
 from intermission.schemas.scope import Reach, Scope
-from intermission.wire import Command, KeyScopeInvalid
 
 
 def when(moment: datetime | None) -> str:
@@ -60,24 +59,16 @@ def reach_label(reach: Reach) -> str:
     return ", ".join(str(s) for s in sorted(reach.scopes, key=str))
 
 
-def letter_scope(letter: DeadLetter) -> Scope | None:
-    """The scope a dead letter's routing key names (``run.decide.acme.t1``); None for a bare key, a key of
-    no command, or a scope the contract does not allow."""
-    command = Command.of_key(letter.routing_key)
-    if command is None:
-        return None
-    try:
-        return command.scope_of_key(letter.routing_key)
-    except KeyScopeInvalid:
-        return None
+def page_number(asked: str | None, pages: int) -> int:
+    """The page a query asks for, within 1..``pages``; 1 for anything else."""
+    return int(asked) if asked is not None and asked.isdigit() and 1 <= int(asked) <= pages else 1
 
 
 def visible_letters(letters: list[DeadLetter], reach: Reach) -> list[tuple[DeadLetter, Scope | None]]:
     """The dead letters a person may see: those keyed for one of their scopes; the ones that name no
     scope only to a person trusted with every scope."""
-    shown = []
-    for letter in letters:
-        scope = letter_scope(letter)
-        if reach.every_scope or (scope is not None and reach.covers(scope)):
-            shown.append((letter, scope))
-    return shown
+    return [
+        (letter, letter.scope)
+        for letter in letters
+        if reach.every_scope or (letter.scope is not None and reach.covers(letter.scope))
+    ]

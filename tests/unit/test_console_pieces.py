@@ -11,11 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from intermission.ops.console.app import FAILED_LOGIN_SECONDS, FAILED_LOGINS, FailedLogins
 from intermission.ops.console.listener import EVERY_SCOPE_BINDINGS, bindings_for
 from intermission.ops.console.security import local_path, token_matches
+from intermission.ops.console.throttle import (
+    FAILURE_WINDOW_SECONDS,
+    FREE_ADDRESS_FAILURES,
+    FREE_FAILURES,
+    MAX_BACKOFF_SECONDS,
+    LoginThrottle,
+)
 from intermission.ops.console.views import pretty_arguments, reach_label, until, visible_letters
-from intermission.ops.dead import DeadLetter
+from intermission.ops.dead import DeadLetter, key_scope
 from intermission.ops.grants import permits
 from intermission.schemas.scope import Reach, Scope
 
@@ -25,7 +31,9 @@ B = Scope(app="billing", tenant="globex")
 
 
 def letter(routing_key: str) -> DeadLetter:
-    return DeadLetter(message_id="m", routing_key=routing_key, code="forbidden", detail="", size=2)
+    return DeadLetter(
+        message_id="m", routing_key=routing_key, code="forbidden", detail="", size=2, scope=key_scope(routing_key)
+    )
 
 
 def test_a_person_sees_the_dead_letters_of_their_scopes_and_only_a_trusted_one_those_of_no_scope() -> None:
@@ -95,17 +103,76 @@ def test_a_csrf_token_must_be_the_sessions_own() -> None:
     assert not token_matches("abc", ["abc"])
 
 
-def test_too_many_failed_logins_of_one_user_pause_that_user_only() -> None:
-    failed = FailedLogins()
-    for i in range(FAILED_LOGINS):
-        assert not failed.blocked("alice", float(i))
-        failed.failed("alice", float(i))
-    assert failed.blocked("alice", float(FAILED_LOGINS))
-    assert not failed.blocked("bob", float(FAILED_LOGINS))
-    assert not failed.blocked("alice", FAILED_LOGINS + FAILED_LOGIN_SECONDS)
-    failed.failed("alice", 1000.0)
-    failed.succeeded("alice")
-    assert not failed.blocked("alice", 1000.0)
+def fail(throttle: LoginThrottle, user: str, address: str, now: float) -> float | None:
+    """One refused login, if the throttle lets it through; what ``begin`` said."""
+    wait = throttle.begin(user, address, now)
+    if wait is None:
+        throttle.finish(user, address, now, refused=True)
+    return wait
+
+
+def test_a_name_tried_from_one_address_backs_off_and_only_there() -> None:
+    throttle = LoginThrottle()
+    for i in range(FREE_FAILURES):
+        assert fail(throttle, "alice", "10.0.0.66", float(i)) is None
+    # The next failure backs off 1 s, then 2 s, 4 s ... never past the cap.
+    now = float(FREE_FAILURES)
+    waits = []
+    for _ in range(12):
+        assert fail(throttle, "alice", "10.0.0.66", now) is None
+        wait = throttle.begin("alice", "10.0.0.66", now)
+        assert wait is not None
+        waits.append(wait)
+        now += wait
+    assert waits[:3] == [1.0, 2.0, 4.0]
+    assert max(waits) == MAX_BACKOFF_SECONDS
+    # Alice herself, from her own address, is not slowed at all: backoff, not a lock-out.
+    assert throttle.begin("alice", "192.0.2.7", now) is None
+    throttle.finish("alice", "192.0.2.7", now, refused=False)
+
+
+def test_one_password_sprayed_across_many_names_from_one_address_backs_off() -> None:
+    throttle = LoginThrottle()
+    for i in range(FREE_ADDRESS_FAILURES):
+        assert fail(throttle, f"user-{i}", "10.0.0.66", 0.0) is None
+    assert fail(throttle, "user-x", "10.0.0.66", 0.0) is None
+    wait = throttle.begin("user-y", "10.0.0.66", 0.0)
+    assert wait == 1.0
+    assert throttle.begin("user-y", "192.0.2.7", 0.0) is None
+
+
+def test_a_parallel_burst_gets_one_password_check_at_a_time() -> None:
+    throttle = LoginThrottle()
+    # Every begin happens before any finish, as a burst of concurrent requests would.
+    let_through = [throttle.begin("alice", "10.0.0.66", 0.0) is None for _ in range(50)]
+    assert let_through.count(True) == 1
+    across_names = [throttle.begin(f"n{i}", "10.0.0.67", 0.0) is None for i in range(50)]
+    assert across_names.count(True) == 4
+
+
+def test_an_unreachable_broker_counts_for_nothing_and_a_success_clears_the_name() -> None:
+    throttle = LoginThrottle()
+    for _ in range(FREE_FAILURES + 5):
+        assert throttle.begin("alice", "10.0.0.1", 0.0) is None
+        throttle.finish("alice", "10.0.0.1", 0.0, refused=None)
+    assert throttle.begin("alice", "10.0.0.1", 0.0) is None
+    throttle.finish("alice", "10.0.0.1", 0.0, refused=False)
+    for i in range(FREE_FAILURES + 1):
+        fail(throttle, "alice", "10.0.0.1", float(i))
+    assert throttle.begin("alice", "10.0.0.1", float(FREE_FAILURES)) is not None
+
+
+def test_the_throttle_s_memory_is_bounded() -> None:
+    throttle = LoginThrottle(max_entries=100)
+    for i in range(5000):
+        fail(throttle, f"user-{i}", f"10.0.{i // 250}.{i % 250}", float(i))
+    assert len(throttle) <= 100
+    # Past the window, a name's failures are forgotten.
+    forgetful = LoginThrottle()
+    for _ in range(FREE_FAILURES + 1):
+        fail(forgetful, "alice", "10.0.0.1", 0.0)
+    later = FAILURE_WINDOW_SECONDS + MAX_BACKOFF_SECONDS + 1
+    assert forgetful.begin("alice", "10.0.0.1", later) is None
 
 
 def test_times_and_arguments_read_as_a_person_reads_them() -> None:
