@@ -10,13 +10,18 @@ six; deliveries beyond it wait in this process, unacknowledged, without holding 
 The commands that answer a pause (resume, decide, expire) go through ``CommandBatches`` instead: those that
 arrive together are applied in one transaction (group commit, ``consumers/batching.py``), each batch
 holding one of the same slots.
+
+A command that may start or resume a run (every one but a cancel) is first admitted by ``admit``, the
+fleet's cap on runs in flight (``Fleet.admitting``): past the cap it waits here, unacknowledged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
@@ -26,6 +31,9 @@ from intermission.consumers.policy import AckPolicy
 from intermission.wire import Command
 
 log = logging.getLogger("intermission.consumers")
+
+# The commands whose outcome may be a run to continue: all but a cancel, which only ends one.
+RUN_CAUSING: frozenset[Command] = frozenset(Command) - {Command.CANCEL}
 
 
 class CommandConsumers:
@@ -37,8 +45,10 @@ class CommandConsumers:
         in_flight_limit: int = 8,
         batch_size: int = 32,
         batches_in_flight: int = 2,
+        admit: Callable[[], AbstractAsyncContextManager[None]] | None = None,
     ) -> None:
         self.policy = policy
+        self._admit = admit
         self.queues = dict(queues)
         self._slots = asyncio.Semaphore(in_flight_limit)
         # batch_size 1: every command alone, as before group commit.
@@ -64,11 +74,13 @@ class CommandConsumers:
             self._in_flight.add(task)
             self._idle.clear()
             try:
-                if self.batches is not None and command in BATCHED:
-                    await self.batches.submit(message, command)
-                else:
-                    async with self._slots:
-                        await self.policy.process(message, command)
+                admitted = self._admit() if self._admit is not None and command in RUN_CAUSING else None
+                async with admitted if admitted is not None else contextlib.nullcontext():
+                    if self.batches is not None and command in BATCHED:
+                        await self.batches.submit(message, command)
+                    else:
+                        async with self._slots:
+                            await self.policy.process(message, command)
             finally:
                 self.policy.acks.settled(message)
                 self._in_flight.discard(task)

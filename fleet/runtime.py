@@ -6,6 +6,13 @@ keeper renews all of their leases in one statement per tick over a connection of
 (``fleet/lease.py``), so no renewal waits behind the commands that share the pool. The reclaim sweep takes
 over runs whose lease lapsed (their worker died) and continues them from their last snapshot.
 
+Runs in flight are capped per worker (``INTERMISSION_RUNS_IN_FLIGHT``): a command that would start or
+resume a run is admitted (``admitting``) only while the runs this worker continues, and the commands being
+admitted, are fewer than the cap; past it the delivery waits unacknowledged (nothing is lost, the broker
+holds what the prefetch does not), and the reclaim sweep takes over only as many lapsed runs as there is
+room for. Each admission is counted before the command's transaction and until it has handed its run
+over, so the cap holds against concurrent consumers and group commits alike.
+
 Stopping: ``stop()`` stops taking work, lets each run reach its next boundary (where it releases its
 lease, so another worker continues at once) for up to the grace period, then cancels what is left.
 ``drain()`` returns when nothing is left to do, which is what tests and one-shot tools want.
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from intermission.agent.executor import EndedOnRequest, Executor, RunContext, RunHandle, StopAtBoundary
 from intermission.fleet.identity import incarnation
@@ -67,6 +75,9 @@ class Fleet:
         self.executor = executor
         self.owner = owner or incarnation()
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._admitting = 0
+        self._room = asyncio.Event()
+        self._room.set()
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -98,6 +109,25 @@ class Fleet:
     def running(self) -> int:
         return len(self._tasks)
 
+    def room(self) -> int:
+        """How many more runs this worker may take now (a large number when it has no cap)."""
+        cap = self.settings.runs_in_flight
+        return max(0, cap - len(self._tasks) - self._admitting) if cap else 1 << 30
+
+    @contextlib.asynccontextmanager
+    async def admitting(self) -> AsyncIterator[None]:
+        """Hold one of the worker's places for runs while a command that may start or resume one is
+        applied; waits for a place first. The check and the count happen with no await between them."""
+        while not self.room():
+            self._room.clear()
+            await self._room.wait()
+        self._admitting += 1
+        try:
+            yield
+        finally:
+            self._admitting -= 1
+            self._room.set()
+
     def submit(self, claimed: Claimed, *, taken_over: bool = False) -> asyncio.Task[None]:
         """Run a claimed run under this worker's lease until it pauses, ends, or leaves this worker.
         ``taken_over``: the run's worker died and this one took it over (its span says so)."""
@@ -117,6 +147,7 @@ class Fleet:
     def _forget(self, run_id: str, task: asyncio.Task[None]) -> None:
         if self._tasks.get(run_id) is task:
             del self._tasks[run_id]
+            self._room.set()
         if not self._tasks:
             self._idle.set()
 
@@ -232,7 +263,10 @@ class Fleet:
         for a passing reason is left to its lease, which lapses, and a later sweep takes it again."""
         if self.stopping:
             return 0
-        taken = await self.stores.across_scopes.reclaim_lapsed(self.lease(), self.settings.reclaim_batch)
+        batch = min(self.settings.reclaim_batch, self.room())
+        if batch == 0:
+            return 0
+        taken = await self.stores.across_scopes.reclaim_lapsed(self.lease(), batch)
         self.metrics.lease_takeovers.inc(len(taken))
         for one in taken:
             extra = {"run_id": one.run_id if isinstance(one, Unreadable) else one.run.id}

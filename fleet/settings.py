@@ -94,6 +94,17 @@ class Settings(BaseSettings):
     # what is left), where a per-turn cap would still let max_steps turns of it through. 256 is 8 calls a
     # step over the default 32 steps.
     max_tool_calls: int = Field(default=256, ge=1)
+    # The most a start may ask for (0: no ceiling). A start over them is refused limit_exceeded: one tenant's
+    # run asking for a million steps would otherwise hold a worker for as long as it likes.
+    max_steps_limit: int = Field(default=1000, ge=0)
+    max_tool_calls_limit: int = Field(default=10_000, ge=0)
+    # Every scope's quotas unless `intermission quotas set` gives it its own (0: none): live runs (not
+    # ended) and runs started a second, enforced in the start's transaction (quota_exceeded).
+    quota_live_runs: int = Field(default=0, ge=0)
+    quota_starts_per_second: float = Field(default=0.0, ge=0)
+    # Runs one worker continues at once (0: no cap). Past it, the commands that would start or resume a run
+    # wait unacknowledged in the worker (nothing is lost), and takeovers wait for room.
+    runs_in_flight: int = Field(default=256, ge=0)
     shutdown_grace_seconds: float = Field(default=20.0, ge=0)
     # Retention (store/migrations/0008_retention.sql, store/retention.py). An ended run and everything
     # about it is kept this long after it ended; paused and running runs are never pruned.
@@ -171,6 +182,16 @@ class Settings(BaseSettings):
             amqp_nodes(self.amqp_url)
         except AmqpUrlError as exc:
             raise ValueError(f"INTERMISSION_AMQP_URL: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> Settings:
+        for name, default, ceiling in (
+            ("MAX_STEPS", self.max_steps, self.max_steps_limit),
+            ("MAX_TOOL_CALLS", self.max_tool_calls, self.max_tool_calls_limit),
+        ):
+            if ceiling and default > ceiling:
+                raise ValueError(f"INTERMISSION_{name} ({default}) is over INTERMISSION_{name}_LIMIT ({ceiling})")
         return self
 
     @model_validator(mode="after")

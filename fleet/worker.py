@@ -39,6 +39,7 @@ from intermission.publishers.relay import OutboxRelay
 from intermission.publishers.sweeper import ExpirySweeper
 from intermission.store import Stores
 from intermission.store.commands import Claimed, RunDefaults
+from intermission.store.runs import Quota
 from intermission.wire import Topology, declare
 
 log = logging.getLogger("intermission.worker")
@@ -156,6 +157,9 @@ async def running_worker(
                         pause_ttl_seconds=settings.pause_ttl_seconds,
                         max_steps=settings.max_steps,
                         max_tool_calls=settings.max_tool_calls,
+                        max_steps_limit=settings.max_steps_limit,
+                        max_tool_calls_limit=settings.max_tool_calls_limit,
+                        quota=Quota(settings.quota_live_runs, settings.quota_starts_per_second),
                     ),
                     bus_user=settings.bus_user,
                 ),
@@ -174,6 +178,7 @@ async def running_worker(
             in_flight_limit=settings.commands_in_flight,
             batch_size=settings.command_batch_size,
             batches_in_flight=settings.command_batches_in_flight,
+            admit=fleet.admitting,
         )
         relay_stop = asyncio.Event()
         readiness = health.Readiness(

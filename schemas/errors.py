@@ -144,6 +144,21 @@ class RunExists(PermanentError):
     code = "run_exists"
 
 
+class QuotaExceeded(PermanentError):
+    """The scope is at one of its quotas (live runs, starts a second): the start is refused and nothing
+    written; it may be sent again once runs of the scope end, or a moment later."""
+
+    code = "quota_exceeded"
+
+
+class LimitExceeded(PermanentError):
+    """A start asks for more than the fleet allows a run (``INTERMISSION_MAX_STEPS_LIMIT``,
+    ``INTERMISSION_MAX_TOOL_CALLS_LIMIT``): refused rather than cut down, so the host learns it now and not
+    when the run fails at the smaller limit."""
+
+    code = "limit_exceeded"
+
+
 class MessageIdConflict(PermanentError):
     """That message_id was recorded for a command with a different body."""
 

@@ -39,9 +39,11 @@ from intermission.schemas.commands import (
     ResumeCommand,
     StartCommand,
 )
+from intermission.schemas.config import RunConfig
 from intermission.schemas.errors import (
     InvalidArgument,
     InvalidState,
+    LimitExceeded,
     MessageIdConflict,
     NotSuspended,
     ResumeAdmissionNotFound,
@@ -58,7 +60,7 @@ from intermission.store.db import Conn, Database
 from intermission.store.inbox import AlreadyApplied, Receipt, inbox_arguments
 from intermission.store.queries import QUERIES
 from intermission.store.resume import ResumeStore
-from intermission.store.runs import check_lease, start_in
+from intermission.store.runs import NO_QUOTA, Quota, check_lease, start_in
 from intermission.store.suspensions import Decided, claim_arguments, refusal
 from intermission.tracing import current_traceparent
 
@@ -84,16 +86,32 @@ DEFAULT_MAX_TOOL_CALLS = 256
 
 @dataclass(frozen=True)
 class RunDefaults:
-    """What a start takes from the settings when its command leaves it out."""
+    """What a start takes from the settings when its command leaves it out, the most it may ask for (0: no
+    ceiling), and the quotas of a scope that has none of its own."""
 
     pause_ttl_seconds: int
     max_steps: int
     max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
+    max_steps_limit: int = 0
+    max_tool_calls_limit: int = 0
+    quota: Quota = NO_QUOTA
+
+
+def _check_ceilings(config: RunConfig, defaults: RunDefaults) -> None:
+    """LimitExceeded when a start asks for more than the fleet allows a run. Refused rather than clamped: a
+    clamped run would fail at the smaller limit hours later, far from the start that caused it."""
+    for field, asked, ceiling in (
+        ("max_steps", config.max_steps, defaults.max_steps_limit),
+        ("budget.max_tool_calls", config.budget.max_tool_calls, defaults.max_tool_calls_limit),
+    ):
+        if ceiling and asked > ceiling:
+            raise LimitExceeded(f"config.{field} is {asked}, over this fleet's limit of {ceiling}")
 
 
 def new_run(cmd: StartCommand, defaults: RunDefaults) -> NewRun:
     """Resolve a start into the run to create: the config is flattened once, here, and stored; a resume
     never re-merges it. So a run's limits are the ones it started with, whichever worker continues it."""
+    _check_ceilings(cmd.config, defaults)
     config = cmd.config
     if config.max_steps == 0:
         config = config.model_copy(update={"max_steps": defaults.max_steps})
@@ -202,7 +220,7 @@ class CommandStore:
             continuation=Continuation(config=new.config, session_id=new.session_id, traceparent=current_traceparent()),
         )
         async with self.db.connection() as con:
-            created = await start_in(con, scope, new, lease, first, receipt)
+            created = await start_in(con, scope, new, lease, first, receipt, defaults.quota)
         if not created.fresh:
             return None
         return Claimed(

@@ -15,12 +15,14 @@ import math
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Final
 
 from intermission.schemas.config import REDACTED_ARGUMENTS, RunConfig
 from intermission.schemas.digest import digest
 from intermission.schemas.errors import (
     InvalidArgument,
     MessageIdConflict,
+    QuotaExceeded,
     RunExists,
     RunLeaseLost,
     RunNotFound,
@@ -172,6 +174,17 @@ def end_arguments(
     }
 
 
+@dataclass(frozen=True)
+class Quota:
+    """The fleet's default quotas of a scope without a row of its own in ``scope_quotas`` (0: none)."""
+
+    live_runs: int = 0
+    starts_per_second: float = 0.0
+
+
+NO_QUOTA: Final = Quota()
+
+
 async def start_in(
     con: Conn,
     scope: Scope,
@@ -179,8 +192,10 @@ async def start_in(
     lease: Lease | None,
     first: Progress | None,
     receipt: Receipt | None,
+    quota: Quota = NO_QUOTA,
 ) -> CreatedRun:
-    """The start transition on ``con``: the run (with its first snapshot and the command's inbox record)."""
+    """The start transition on ``con``: the run (with its first snapshot and the command's inbox record),
+    within the scope's quotas (QuotaExceeded, nothing written)."""
     check_new_run(new, lease, first)
     row = await con.fetchrow(
         "start_run",
@@ -198,9 +213,15 @@ async def start_in(
         lease_ttl=lease.ttl_seconds if lease is not None else None,
         first_continuation=rows.dump(first.continuation) if first is not None else None,
         **inbox_arguments(receipt, scope),
+        default_live_runs=quota.live_runs,
+        default_starts_per_second=quota.starts_per_second,
     )
     assert row is not None  # the function always returns its one row
     outcome = row["outcome"]
+    if outcome == "quota_live_runs":
+        raise QuotaExceeded(f"scope {scope} holds as many live runs as its quota allows")
+    if outcome == "quota_starts_per_second":
+        raise QuotaExceeded(f"scope {scope} started as many runs this second as its quota allows")
     if outcome == "duplicate":
         assert receipt is not None
         raise AlreadyApplied(receipt.message_id, "applied")

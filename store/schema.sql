@@ -986,6 +986,68 @@ $$;
 
 
 --
+-- Name: intermission_start_run_v2(text, text, text, text, text, jsonb, jsonb, integer, text, text, text, double precision, jsonb, text, text, text, integer, double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_start_run_v2(p_run_id text, p_app text, p_tenant text, p_agent_id text, p_input text, p_config jsonb, p_script jsonb, p_pause_ttl_seconds integer, p_session_id text, p_start_digest text, p_lease_owner text, p_lease_ttl double precision, p_first_continuation jsonb, p_message_id text, p_routing_key text, p_digest text, p_default_live_runs integer, p_default_starts_per_second double precision, OUT outcome text, OUT run public.runs, OUT first_updated_at timestamp with time zone) RETURNS record
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_live_limit integer;
+    v_rate float8;
+    v_tokens float8;
+    v_refilled timestamptz;
+    v_live integer;
+    v_started record;
+BEGIN
+    SELECT q.live_runs, q.starts_per_second INTO v_live_limit, v_rate
+      FROM scope_quotas q WHERE q.app = p_app AND q.tenant = p_tenant;
+    v_live_limit := coalesce(v_live_limit, p_default_live_runs, 0);
+    v_rate := coalesce(v_rate, p_default_starts_per_second, 0);
+    IF (v_live_limit > 0 OR v_rate > 0)
+       AND NOT (p_message_id IS NOT NULL AND EXISTS (
+           SELECT 1 FROM inbox i WHERE i.app = p_app AND i.tenant = p_tenant AND i.message_id = p_message_id)) THEN
+        INSERT INTO scope_start_buckets (app, tenant, tokens, refilled_at)
+        VALUES (p_app, p_tenant, greatest(v_rate, 1), now())
+        ON CONFLICT (app, tenant) DO NOTHING;
+        SELECT b.tokens, b.refilled_at INTO v_tokens, v_refilled
+          FROM scope_start_buckets b WHERE b.app = p_app AND b.tenant = p_tenant
+           FOR UPDATE;
+        IF v_live_limit > 0 THEN
+            SELECT count(*) INTO v_live
+              FROM (SELECT 1 FROM runs r
+                     WHERE r.app = p_app AND r.tenant = p_tenant AND r.ended_at IS NULL
+                     LIMIT v_live_limit) AS live;
+            IF v_live >= v_live_limit THEN
+                outcome := 'quota_live_runs';
+                RETURN;
+            END IF;
+        END IF;
+        IF v_rate > 0 THEN
+            -- The bucket refills at the rate, up to one second's worth (at least one start).
+            v_tokens := least(greatest(v_rate, 1),
+                              v_tokens + extract(epoch FROM clock_timestamp() - v_refilled) * v_rate);
+            IF v_tokens < 1 THEN
+                outcome := 'quota_starts_per_second';
+                RETURN;
+            END IF;
+            UPDATE scope_start_buckets b SET tokens = v_tokens - 1, refilled_at = clock_timestamp()
+             WHERE b.app = p_app AND b.tenant = p_tenant;
+        END IF;
+    END IF;
+    SELECT * INTO v_started
+      FROM intermission_start_run_v1(
+        p_run_id, p_app, p_tenant, p_agent_id, p_input, p_config, p_script, p_pause_ttl_seconds, p_session_id,
+        p_start_digest, p_lease_owner, p_lease_ttl, p_first_continuation, p_message_id, p_routing_key,
+        p_digest) AS s;
+    outcome := v_started.outcome;
+    run := v_started.run;
+    first_updated_at := v_started.first_updated_at;
+END
+$$;
+
+
+--
 -- Name: progress; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -1294,6 +1356,33 @@ CREATE TABLE public.schema_migrations (
 
 
 --
+-- Name: scope_quotas; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.scope_quotas (
+    app text NOT NULL,
+    tenant text NOT NULL,
+    live_runs integer,
+    starts_per_second double precision,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT scope_quotas_live_runs_check CHECK ((live_runs >= 0)),
+    CONSTRAINT scope_quotas_starts_per_second_check CHECK ((starts_per_second >= (0)::double precision))
+);
+
+
+--
+-- Name: scope_start_buckets; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.scope_start_buckets (
+    app text NOT NULL,
+    tenant text NOT NULL,
+    tokens double precision NOT NULL,
+    refilled_at timestamp with time zone NOT NULL
+);
+
+
+--
 -- Name: session_messages; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -1474,6 +1563,22 @@ ALTER TABLE ONLY public.runs
 
 ALTER TABLE ONLY public.schema_migrations
     ADD CONSTRAINT schema_migrations_pkey PRIMARY KEY (version);
+
+
+--
+-- Name: scope_quotas scope_quotas_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.scope_quotas
+    ADD CONSTRAINT scope_quotas_pkey PRIMARY KEY (app, tenant);
+
+
+--
+-- Name: scope_start_buckets scope_start_buckets_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.scope_start_buckets
+    ADD CONSTRAINT scope_start_buckets_pkey PRIMARY KEY (app, tenant);
 
 
 --
@@ -1698,4 +1803,5 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (10, 'planner_proof_lookups', '58ef8c8339148b37bd275b02ef701e64e3931d22b042333ddd8945dfd4d5d48b'),
     (11, 'handed_pauses_and_ends', '6928b01b570ccefbd07c62a41f60f8b8656f73e8f1e336d3b6bef63b17b01f4f'),
     (12, 'operations', '756d0ea526c2ac453284a821137715012f433477c67d62ab9bb66292fd4bc1c3'),
-    (13, 'marks_by_key', '581e07eb5ec33d932776bb2195c8a0aeb48487355734560272acc130e4bf5ed5');
+    (13, 'marks_by_key', '581e07eb5ec33d932776bb2195c8a0aeb48487355734560272acc130e4bf5ed5'),
+    (14, 'scope_quotas', '6edfbf43e7b5d68410c5f3b5764deb47dea29e39e98809220c83d5f38bd2fda1');

@@ -9,6 +9,7 @@ from intermission.ops.cli import (  # noqa: F401 - each module adds its commands
     outbox,
     pauses,
     processes,
+    quotas,
     runs,
 )
 from intermission.ops.cli.app import main

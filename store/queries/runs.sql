@@ -1,14 +1,31 @@
 -- start_run --
--- A new run (intermission_start_run_v1): the command's inbox record (when message_id is set), the run,
--- running under the lease when lease_owner is set, and its first snapshot (when first_continuation is
--- set). One row: the outcome and the run (a composite).
+-- A new run (intermission_start_run_v2): within the scope's quotas (live runs, starts a second; the
+-- scope's own row in scope_quotas, else the defaults given), the command's inbox record (when message_id is
+-- set), the run, running under the lease when lease_owner is set, and its first snapshot (when
+-- first_continuation is set). One row: the outcome and the run (a composite).
 -- writes: inbox
 SELECT s.outcome, s.first_updated_at, s.run
-  FROM intermission_start_run_v1(
+  FROM intermission_start_run_v2(
     p_run_id => $1, p_app => $2, p_tenant => $3, p_agent_id => $4, p_input => $5, p_config => $6,
     p_script => $7, p_pause_ttl_seconds => $8, p_session_id => $9, p_start_digest => $10,
     p_lease_owner => $11, p_lease_ttl => $12, p_first_continuation => $13,
-    p_message_id => $14, p_routing_key => $15, p_digest => $16) AS s;
+    p_message_id => $14, p_routing_key => $15, p_digest => $16,
+    p_default_live_runs => $17, p_default_starts_per_second => $18) AS s;
+
+-- set_quota --
+-- A scope's own quotas (NULL: the fleet's default). $1 app, $2 tenant, $3 live runs, $4 starts a second
+INSERT INTO scope_quotas (app, tenant, live_runs, starts_per_second)
+VALUES ($1, $2, $3, $4)
+ON CONFLICT (app, tenant) DO UPDATE
+   SET live_runs = EXCLUDED.live_runs, starts_per_second = EXCLUDED.starts_per_second, updated_at = now()
+RETURNING app, tenant, live_runs, starts_per_second;
+
+-- list_quotas --
+-- Every scope's own quotas, with its live runs now.
+SELECT q.app, q.tenant, q.live_runs, q.starts_per_second,
+       (SELECT count(*) FROM runs r WHERE r.app = q.app AND r.tenant = q.tenant AND r.ended_at IS NULL) AS live
+  FROM scope_quotas q
+ ORDER BY q.app, q.tenant;
 
 -- get_run --
 -- Read a run at the exact scope. $1 id, $2 app, $3 tenant

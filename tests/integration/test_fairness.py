@@ -1,0 +1,249 @@
+"""No tenant takes the fleet (README, "Threat model"; docs/decisions.md, "Fairness between tenants"):
+
+- a start over the fleet's ceilings (``max_steps``, ``budget.max_tool_calls``) is refused ``limit_exceeded``
+  and writes nothing;
+- a scope at its quota of live runs, or of starts a second, is refused ``quota_exceeded`` in the start's
+  own transaction, writes nothing, and never slows another scope; starts racing at the limit from many
+  connections never pass it;
+- a worker continues at most ``INTERMISSION_RUNS_IN_FLIGHT`` runs at once; the commands past it wait in
+  the worker unacknowledged and every run still completes;
+- a tenant flooding starts at its quota holds at most its quota of runs, and another tenant's run
+  completes behind the flood.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from typing import Any
+
+import pytest
+
+from intermission.agent.executor import RunContext
+from intermission.fleet.settings import Settings
+from intermission.fleet.worker import Worker, running_worker
+from intermission.publishers.clients import HostClient, version_of
+from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.config import Budget, RunConfig
+from intermission.schemas.errors import LimitExceeded, QuotaExceeded
+from intermission.schemas.events import RunEventKind
+from intermission.schemas.run import Lease
+from intermission.schemas.scope import Scope
+from intermission.store import Stores
+from intermission.store.commands import RunDefaults
+from intermission.store.inbox import AlreadyApplied, Receipt
+from intermission.store.quotas import set_quota
+from intermission.store.runs import Quota
+from intermission.wire import EVENTS_EXCHANGE, Command
+from tests.conftest import race
+from tests.integration.test_messaging import LOOKUP, next_event, notice_for, run_event, start
+from tests.support.amqp import Broker, CaptureFactory, Vhost
+from tests.support.inspect import Inspector
+from tests.support.waiting import eventually
+
+WAIT = 30.0
+DEFAULTS = RunDefaults(pause_ttl_seconds=0, max_steps=8, max_steps_limit=100, max_tool_calls_limit=1000)
+
+
+def lease() -> Lease:
+    return Lease(owner=f"w-{uuid.uuid4().hex[:6]}", ttl_seconds=30)
+
+
+async def rows_of(db: Inspector, run_id: str) -> tuple[int, int]:
+    runs = await db.con.fetchval("SELECT count(*) FROM runs WHERE id = $1", run_id)
+    inbox = await db.con.fetchval("SELECT count(*) FROM inbox WHERE run_id = $1", run_id)
+    return int(runs), int(inbox)
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        (RunConfig(max_steps=101), "config.max_steps is 101, over this fleet's limit of 100"),
+        (RunConfig(budget=Budget(max_tool_calls=1001)), "config.budget.max_tool_calls is 1001"),
+    ],
+)
+async def test_a_start_over_the_fleet_s_ceilings_is_refused_and_writes_nothing(
+    config: RunConfig,
+    field: str,
+    worker: Worker,
+    settings: Settings,
+    stores: Stores,
+    host: HostClient,
+    scope: Scope,
+    db: Inspector,
+    amqp_vhost: Vhost,
+    capture: CaptureFactory,
+) -> None:
+    assert (settings.max_steps_limit, settings.max_tool_calls_limit) == (1000, 10_000)
+    refused = await capture(amqp_vhost.url(), EVENTS_EXCHANGE, f"command.rejected.{scope.routing_suffix()}")
+    over = config.model_copy(
+        update={"max_steps": config.max_steps * 10, "budget": Budget(max_tool_calls=config.budget.max_tool_calls * 10)}
+    )
+    cmd = start(scope, LOOKUP, config=over)
+    await host.start(cmd)
+    [event] = await refused.wait_count(1, within=WAIT)
+    assert event.json()["code"] == "limit_exceeded"
+    assert await rows_of(db, cmd.run_id) == (0, 0)
+    # The same ceiling at the store, with the limits of DEFAULTS.
+    with pytest.raises(LimitExceeded, match=re.escape(field)):
+        await StoresStart(stores).start(start(scope, LOOKUP, config=config), DEFAULTS)
+
+
+class StoresStart:
+    """The start transition, as a worker's handler calls it."""
+
+    def __init__(self, stores: Stores) -> None:
+        self.stores = stores
+
+    async def start(self, cmd: StartCommand, defaults: RunDefaults) -> Any:
+        return await self.stores.commands.start(
+            cmd, defaults, lease(), receipt=Receipt.of(f"m-{cmd.run_id}", "run.start", cmd)
+        )
+
+
+async def test_a_scope_at_its_live_runs_quota_is_refused_and_another_scope_is_not(
+    stores: Stores, scope: Scope, other_scope: Scope, db: Inspector
+) -> None:
+    await set_quota(stores.db, scope, live_runs=2, starts_per_second=None)
+    for _ in range(2):
+        assert await StoresStart(stores).start(start(scope, LOOKUP), DEFAULTS) is not None
+    third = start(scope, LOOKUP)
+    with pytest.raises(QuotaExceeded, match="live runs"):
+        await StoresStart(stores).start(third, DEFAULTS)
+    assert await rows_of(db, third.run_id) == (0, 0)
+    # Another scope, under the fleet's default (none), starts as it likes.
+    for _ in range(3):
+        assert await StoresStart(stores).start(start(other_scope, LOOKUP), DEFAULTS) is not None
+    # Once a run of the scope ends, a start fits again.
+    await db.con.execute(
+        "UPDATE runs SET state = 'completed', ended_at = now(), lease_owner = NULL, lease_expires_at = NULL "
+        "WHERE id = (SELECT id FROM runs WHERE app = $1 AND tenant = $2 LIMIT 1)",
+        scope.app,
+        scope.tenant,
+    )
+    assert await StoresStart(stores).start(start(scope, LOOKUP), DEFAULTS) is not None
+
+
+async def test_a_scope_past_its_starts_a_second_is_refused_and_a_repeat_is_still_a_duplicate(
+    stores: Stores, scope: Scope, db: Inspector
+) -> None:
+    # A bucket of one start, refilled once in a thousand seconds: the second start is over it.
+    quota = RunDefaults(pause_ttl_seconds=0, max_steps=8, quota=Quota(starts_per_second=0.001))
+    first = start(scope, LOOKUP)
+    assert await StoresStart(stores).start(first, quota) is not None
+    second = start(scope, LOOKUP)
+    with pytest.raises(QuotaExceeded, match="this second"):
+        await StoresStart(stores).start(second, quota)
+    assert await rows_of(db, second.run_id) == (0, 0)
+    # The first start sent again is answered as the duplicate it is, not refused by the quota.
+    with pytest.raises(AlreadyApplied):
+        await StoresStart(stores).start(first, quota)
+
+
+async def test_starts_racing_at_the_quota_from_many_connections_never_pass_it(
+    stores: Stores, scope: Scope, db: Inspector
+) -> None:
+    await set_quota(stores.db, scope, live_runs=5, starts_per_second=None)
+    results = await race(20, lambda i: StoresStart(stores).start(start(scope, LOOKUP), DEFAULTS))
+    refused = [r for r in results if isinstance(r, QuotaExceeded)]
+    assert len(refused) == 15, results
+    assert all(not isinstance(r, BaseException) for r in results if not isinstance(r, QuotaExceeded))
+    live = await db.con.fetchval(
+        "SELECT count(*) FROM runs WHERE app = $1 AND tenant = $2 AND ended_at IS NULL", scope.app, scope.tenant
+    )
+    assert live == 5
+
+
+class HeldRuns:
+    """An executor whose runs wait to be let go, counting how many run at once."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.most = 0
+        self.changed = asyncio.Event()
+        self.go = asyncio.Semaphore(0)
+
+    async def execute(self, ctx: RunContext) -> None:
+        self.active += 1
+        self.most = max(self.most, self.active)
+        self.changed.set()
+        try:
+            await self.go.acquire()
+        finally:
+            self.active -= 1
+        await ctx.complete("done")
+
+
+async def test_a_worker_continues_at_most_its_cap_of_runs_and_the_rest_wait_unacknowledged(
+    settings: Settings,
+    stores: Stores,
+    host: HostClient,
+    scope: Scope,
+    db: Inspector,
+    rabbit: Broker,
+    amqp_vhost: Vhost,
+) -> None:
+    held = HeldRuns()
+    capped = settings.model_copy(update={"runs_in_flight": 2})
+    async with running_worker(capped, executor=held, stores=stores):
+        commands = [start(scope, {"say": "hi"}) for _ in range(5)]
+        for cmd in commands:
+            await host.start(cmd)
+
+        async def two_running_three_held() -> bool:
+            out = await rabbit.run(
+                "list_queues", "-p", amqp_vhost.name, "name", "messages_unacknowledged", "--no-table-headers"
+            )
+            held_back = {line.split()[0]: line.split()[1] for line in out.splitlines() if len(line.split()) == 2}
+            return held.active == 2 and held_back.get(Command.START.queue) == "3"
+
+        # Every start reached the worker: two run, three wait unacknowledged for room.
+        await eventually(two_running_three_held, within=WAIT, what="two runs in flight and three starts held")
+        for _ in commands:
+            held.go.release()
+
+        async def all_completed() -> bool:
+            done = await db.con.fetchval(
+                "SELECT count(*) FROM runs WHERE id = ANY($1::text[]) AND state = 'completed'",
+                [c.run_id for c in commands],
+            )
+            return bool(done == len(commands))
+
+        await eventually(all_completed, within=WAIT, what="all five runs completed")
+    assert held.most == 2
+
+
+async def test_a_tenant_flooding_at_its_quota_holds_its_quota_and_another_tenant_s_run_completes(
+    worker: Worker,
+    stores: Stores,
+    host: HostClient,
+    scope: Scope,
+    other_scope: Scope,
+    db: Inspector,
+    amqp_vhost: Vhost,
+    capture: CaptureFactory,
+) -> None:
+    flood, victim = scope, other_scope
+    await set_quota(stores.db, flood, live_runs=10, starts_per_second=None)
+    refused = await capture(amqp_vhost.url(), EVENTS_EXCHANGE, f"command.rejected.{flood.routing_suffix()}")
+    flooding = [start(flood, LOOKUP) for _ in range(300)]
+    await asyncio.gather(*(host.start(cmd) for cmd in flooding))
+    cmd = start(victim, LOOKUP, {"say": "done"})
+    async with host.subscribe(victim) as subscription:
+        await host.start(cmd)
+        notice = (await next_event(subscription, notice_for(cmd.run_id), within=WAIT * 2)).event
+        await host.resume(
+            ResumeCommand(
+                scope=victim,
+                version=version_of(notice),
+                results=[ToolAnswer(call_id=notice.pending[0].id, content="4")],
+            )
+        )
+        await next_event(subscription, run_event(cmd.run_id, RunEventKind.COMPLETED), within=WAIT)
+    events = await refused.wait_count(290, within=WAIT * 2)
+    assert {e.json()["code"] for e in events} == {"quota_exceeded"}
+    flood_runs = await db.con.fetchval(
+        "SELECT count(*) FROM runs WHERE app = $1 AND tenant = $2", flood.app, flood.tenant
+    )
+    assert flood_runs == 10
