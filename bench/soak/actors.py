@@ -60,7 +60,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, Notice, SuspendReason
 from intermission.wire import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command, message
-from tests.support.hostile import RawText, nested, padded_id
+from tests.support.hostile import RawText, allow_raw_fields, nested, nested_table, padded_id
 
 log = logging.getLogger("soak.actors")
 
@@ -111,6 +111,14 @@ HOSTILE_VARIANTS = (
     "revision_past_64_bits",
     "nan_in_arguments",
 )
+# Headers that once took a worker's whole connection down, each a fault kind of its own: a table nested
+# 500 deep (the client's decoder recursed past Python's limit), and one filling nearly a frame (the refusal's
+# dead copy, its headers plus the refusal's, went past the frame and the broker closed the connection).
+HEADER_VARIANTS = ("nested_header", "near_frame_header")
+# The header near_frame_header fills: the broker takes it (a frame is 128 KiB), the worker refuses it.
+NEAR_FRAME_HEADER_BYTES = 130_000
+# The raw senders put hand-built header tables on the wire (nested_header).
+allow_raw_fields()
 
 Client = HostClient | BusClient
 # What the harness's sender retries: the broker or the connection away (aio-pika's "Connection was not
@@ -984,6 +992,12 @@ class Simulator:
             start = {"scope": scope.model_dump(), "run_id": ghost, "agent_id": "demo", "input": ""}
             call = {"call": [{"tool": "lookup", "arguments": {"query": 0}}]}
             body = json.dumps({**start, "script": [call]}).replace('"query": 0', '"query": NaN').encode()
+        elif variant == "nested_header":
+            headers = {**headers, "x-nest": nested_table(500)}
+            body = json.dumps(resume).encode()
+        elif variant == "near_frame_header":
+            headers = {**headers, "x-pad": "p" * NEAR_FRAME_HEADER_BYTES}
+            body = json.dumps(resume).encode()
         elif variant == "oversized_body":
             key = Command.START
             head = json.dumps({"scope": scope.model_dump(), "run_id": ghost, "agent_id": "demo", "input": ""})
@@ -1009,6 +1023,8 @@ class Simulator:
             purpose=(
                 "oversized_command"
                 if variant == "oversized_body"
+                else variant
+                if variant in HEADER_VARIANTS
                 else "hostile_message"
                 if variant in HOSTILE_VARIANTS
                 else "malformed_command"

@@ -7,13 +7,13 @@
   backends and (one per deck, in turn) a RabbitMQ ``stop_app``/``start_app``, a PostgreSQL stop/start of
   30 s (a managed failover's length) or a short one.
 - Command faults: malformed (a body acting in another scope than its key's among them), hostile (nested
-  5,000 deep, a 250-byte message id, a header that is not UTF-8, numbers past what the database holds) and
-  oversized commands, an unknown run, duplicates and reordered commands, mallory's reach for another
-  tenant's pause (keyed for the victim's scope: refused by the broker; keyed for its own with the victim's
-  body: forbidden; the victim's run named in its own scope: not found), replies from users who are not the
-  bus, decisions from non-approvers, answers of the wrong kind, mismatched results, re-used message ids,
-  starts over ended runs and cancels of ended runs. Those that need a live pause or an ended run are posted
-  as wishes to the actors.
+  5,000 deep, a 250-byte message id, a header that is not UTF-8, numbers past what the database holds),
+  headers nested 500 deep or filling nearly a frame, and oversized commands, an unknown run, duplicates
+  and reordered commands, mallory's reach for another tenant's pause (keyed for the victim's scope:
+  refused by the broker; keyed for its own with the victim's body: forbidden; the victim's run named in its
+  own scope: not found), replies from users who are not the bus, decisions from non-approvers, answers of
+  the wrong kind, mismatched results, re-used message ids, starts over ended runs and cancels of ended
+  runs. Those that need a live pause or an ended run are posted as wishes to the actors.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import random
 import signal
 import time
 
-from bench.soak.actors import HOSTILE_VARIANTS, MALFORMED_VARIANTS, Simulator
+from bench.soak.actors import HEADER_VARIANTS, HOSTILE_VARIANTS, MALFORMED_VARIANTS, Simulator
 from bench.soak.ledger import Ledger
 from bench.soak.procs import ProcessPool
 from bench.soak.profile import Profile
@@ -50,6 +50,8 @@ COMMAND_DECK = (
     "malformed_command",
     "malformed_command",
     "hostile_message",
+    "nested_header",
+    "near_frame_header",
     "oversized_command",
     "unknown_run",
     "foreign_scope_command",
@@ -160,6 +162,8 @@ class Injector:
             variant = HOSTILE_VARIANTS[self._hostile % len(HOSTILE_VARIANTS)]
             self._hostile += 1
             sim.spawn(sim.malformed(variant), f"fault:{variant}")
+        elif kind in HEADER_VARIANTS:
+            sim.spawn(sim.malformed(kind), f"fault:{kind}")
         elif kind == "oversized_command":
             # A 17 MiB body is heavy for the broker: one in three; the others are 8 MiB replies at a pause.
             if self._oversized % 3 == 0:

@@ -69,6 +69,9 @@ def test_the_short_soak_breaks_no_invariant(tmp_path: Path) -> None:
         "rabbitmq_restart",
         "pg_terminate_backends",
         "hostile_message",
+        # Headers that used to take a worker's whole connection down: nested 500 deep, nearly a frame.
+        "nested_header",
+        "near_frame_header",
         # Mallory, confined to its own scope, keying a command for another tenant's (the broker refuses it)
         # and keying one for itself with that tenant's body (the worker refuses it, telling mallory only).
         "cross_tenant_key",
