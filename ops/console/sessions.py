@@ -155,9 +155,15 @@ class ConsoleSession:
         self._listener: Listener | None = None
         self.closed = False
         self.lost = False
+        self._closing: asyncio.Task[None] | None = None
 
     def connection_lost(self, *_: object) -> None:
+        """The person's connection closed: the session is over. Closed at once, so that the robust
+        connection, which no longer has the password, stops trying to log in again."""
+        if self.lost or self.closed:
+            return
         self.lost = True
+        self._closing = asyncio.get_running_loop().create_task(self.close())
 
     # --- grants and the subscription ----------------------------------------------------------------
 

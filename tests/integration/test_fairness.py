@@ -23,11 +23,10 @@ import pytest
 from intermission.agent.executor import RunContext
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker, running_worker
-from intermission.publishers.clients import HostClient, version_of
-from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.publishers.clients import HostClient
+from intermission.schemas.commands import StartCommand
 from intermission.schemas.config import Budget, RunConfig
 from intermission.schemas.errors import LimitExceeded, QuotaExceeded
-from intermission.schemas.events import RunEventKind
 from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
@@ -37,7 +36,7 @@ from intermission.store.quotas import set_quota
 from intermission.store.runs import Quota
 from intermission.wire import EVENTS_EXCHANGE, Command
 from tests.conftest import race
-from tests.integration.test_messaging import LOOKUP, next_event, notice_for, run_event, start
+from tests.integration.test_messaging import LOOKUP, one_run_served, start
 from tests.support.amqp import Broker, CaptureFactory, Vhost
 from tests.support.inspect import Inspector
 from tests.support.waiting import eventually
@@ -229,18 +228,7 @@ async def test_a_tenant_flooding_at_its_quota_holds_its_quota_and_another_tenant
     refused = await capture(amqp_vhost.url(), EVENTS_EXCHANGE, f"command.rejected.{flood.routing_suffix()}")
     flooding = [start(flood, LOOKUP) for _ in range(300)]
     await asyncio.gather(*(host.start(cmd) for cmd in flooding))
-    cmd = start(victim, LOOKUP, {"say": "done"})
-    async with host.subscribe(victim) as subscription:
-        await host.start(cmd)
-        notice = (await next_event(subscription, notice_for(cmd.run_id), within=WAIT * 2)).event
-        await host.resume(
-            ResumeCommand(
-                scope=victim,
-                version=version_of(notice),
-                results=[ToolAnswer(call_id=notice.pending[0].id, content="4")],
-            )
-        )
-        await next_event(subscription, run_event(cmd.run_id, RunEventKind.COMPLETED), within=WAIT)
+    await one_run_served(host, victim, within=WAIT * 2)
     events = await refused.wait_count(290, within=WAIT * 2)
     assert {e.json()["code"] for e in events} == {"quota_exceeded"}
     flood_runs = await db.con.fetchval(

@@ -26,7 +26,6 @@ from intermission.ops.cli import main
 from intermission.ops.dead import Kept, Source, list_dead, replay_dead
 from intermission.publishers.clients import HostClient, version_of
 from intermission.schemas.commands import CancelCommand, ResumeCommand, ToolAnswer
-from intermission.schemas.events import RunEventKind
 from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
@@ -41,8 +40,9 @@ from intermission.wire import (
     SCHEMA_VERSION_HEADER,
     Command,
 )
+from tests.integration.test_hostile_headers import closes_of
 from tests.integration.test_hostile_messages import refusals_break_for
-from tests.integration.test_messaging import LOOKUP, next_event, notice_for, run_event, start
+from tests.integration.test_messaging import LOOKUP, next_event, notice_for, one_run_served, start
 from tests.support.amqp import AmqpUser, CaptureFactory, ConnectionFactory, Vhost
 from tests.support.confined import Confiner
 
@@ -80,8 +80,7 @@ async def test_a_refusal_of_a_command_with_near_frame_headers_keeps_the_connecti
     amqp_connect: ConnectionFactory,
     capture: CaptureFactory,
 ) -> None:
-    closes: list[object] = []
-    worker.connection.close_callbacks.add(lambda _sender, exc: closes.append(exc))
+    closes = closes_of(worker.connection)
     dead = await capture(amqp_vhost.url(), DEAD_EXCHANGE, "")
     refused = await capture(amqp_vhost.url(), EVENTS_EXCHANGE, f"command.rejected.{scope.routing_suffix()}")
     sender = await confiner.confined(scope, prefix="padder")
@@ -96,10 +95,7 @@ async def test_a_refusal_of_a_command_with_near_frame_headers_keeps_the_connecti
     await publish_as(sender, amqp_vhost, amqp_connect, padded, Command.CANCEL.key(scope))
 
     # Another tenant, served by the same worker on the same connection meanwhile.
-    run_id, resume = await paused_run(host, other_scope)
-    async with host.subscribe(other_scope) as subscription:
-        await host.resume(resume)
-        await next_event(subscription, run_event(run_id, RunEventKind.COMPLETED), within=WAIT)
+    await one_run_served(host, other_scope, within=WAIT)
 
     [event] = await refused.wait_count(1, within=WAIT)
     assert (event.json()["message_id"], event.json()["code"]) == (message_id, "invalid_message")

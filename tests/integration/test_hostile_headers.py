@@ -20,9 +20,7 @@ from aio_pika.abc import AbstractRobustConnection, FieldValue
 
 from intermission.fleet.worker import Worker
 from intermission.ops.dead import dead_stats, list_dead
-from intermission.publishers.clients import HostClient, version_of
-from intermission.schemas.commands import ResumeCommand, ToolAnswer
-from intermission.schemas.events import RunEventKind
+from intermission.publishers.clients import HostClient
 from intermission.schemas.scope import Scope
 from intermission.wire import (
     COMMANDS_EXCHANGE,
@@ -34,7 +32,7 @@ from intermission.wire import (
     declare,
 )
 from tests.integration.test_hostile_messages import resume_body
-from tests.integration.test_messaging import LOOKUP, next_event, notice_for, run_event, start
+from tests.integration.test_messaging import one_run_served
 from tests.support.amqp import CaptureFactory, ConnectionFactory, Vhost
 from tests.support.confined import Confiner
 from tests.support.hostile import allow_raw_fields, nested_array, nested_table
@@ -90,18 +88,7 @@ async def test_a_header_nested_hundreds_deep_is_refused_and_the_worker_keeps_its
     )
 
     # Another tenant's run, published behind it on the same queues, pauses and completes.
-    cmd = start(other_scope, LOOKUP, {"say": "done"})
-    async with host.subscribe(other_scope) as subscription:
-        await host.start(cmd)
-        notice = (await next_event(subscription, notice_for(cmd.run_id), within=WAIT)).event
-        await host.resume(
-            ResumeCommand(
-                scope=other_scope,
-                version=version_of(notice),
-                results=[ToolAnswer(call_id=notice.pending[0].id, content="42")],
-            )
-        )
-        await next_event(subscription, run_event(cmd.run_id, RunEventKind.COMPLETED), within=WAIT)
+    await one_run_served(host, other_scope, within=WAIT)
 
     [event] = await refused.wait_count(1, within=WAIT)
     assert event.json()["message_id"] == message_id

@@ -23,9 +23,7 @@ import pytest
 
 from intermission.fleet import points
 from intermission.fleet.worker import Worker
-from intermission.publishers.clients import HostClient, version_of
-from intermission.schemas.commands import ResumeCommand, ToolAnswer
-from intermission.schemas.events import RunEventKind
+from intermission.publishers.clients import HostClient
 from intermission.schemas.scope import Scope
 from intermission.wire import (
     COMMANDS_EXCHANGE,
@@ -38,7 +36,7 @@ from intermission.wire import (
     Command,
     derived_id,
 )
-from tests.integration.test_messaging import LOOKUP, next_event, notice_for, run_event, start
+from tests.integration.test_messaging import one_run_served
 from tests.support.amqp import AmqpUser, Broker, CaptureFactory, ConnectionFactory, Vhost
 from tests.support.hostile import RawText, nested, padded_id
 from tests.support.waiting import eventually
@@ -206,18 +204,7 @@ async def test_hostile_messages_are_all_settled_and_the_queue_keeps_serving(
     refusals_break_for.clear()
 
     # The same worker still serves the queue: a normal run pauses and resumes.
-    cmd = start(scope, LOOKUP, {"say": "done"})
-    async with host.subscribe(scope) as subscription:
-        await host.start(cmd)
-        notice = (await next_event(subscription, notice_for(cmd.run_id), within=WAIT)).event
-        await host.resume(
-            ResumeCommand(
-                scope=scope,
-                version=version_of(notice),
-                results=[ToolAnswer(call_id=notice.pending[0].id, content="42")],
-            )
-        )
-        await next_event(subscription, run_event(cmd.run_id, RunEventKind.COMPLETED), within=WAIT)
+    await one_run_served(host, scope, within=WAIT)
 
     held = await unacknowledged(rabbit, amqp_vhost)
     assert {c.queue: held.get(c.queue) for c in Command} == {c.queue: 0 for c in Command}

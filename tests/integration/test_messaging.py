@@ -77,6 +77,19 @@ def rejection_of(message_id: str) -> Callable[[Received[Any]], bool]:
     return lambda r: isinstance(r.event, CommandRejected) and r.event.message_id == message_id
 
 
+async def one_run_served(host: HostClient, scope: Scope, *, within: float = 30.0) -> str:
+    """A run of ``scope`` started, paused on a tool result, answered and completed, through ``host``: what a
+    tenant whose worker still serves it sees. Returns its id."""
+    cmd = start(scope, LOOKUP, {"say": "done"})
+    async with host.subscribe(scope) as subscription:
+        await host.start(cmd)
+        notice = (await next_event(subscription, notice_for(cmd.run_id), within=within)).event
+        answer = ToolAnswer(call_id=notice.pending[0].id, content="42")
+        await host.resume(ResumeCommand(scope=scope, version=version_of(notice), results=[answer]))
+        await next_event(subscription, run_event(cmd.run_id, RunEventKind.COMPLETED), within=within)
+    return cmd.run_id
+
+
 async def queue_depths(rabbit: Broker, vhost: Vhost) -> dict[str, int]:
     """Ready plus unacknowledged messages per queue, as the broker counts them."""
     out = await rabbit.run("list_queues", "-p", vhost.name, "name", "messages", "--no-table-headers")
