@@ -27,6 +27,7 @@ from typing import Any, Final
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 
 from intermission.consumers.parsing import readable_body, scope_hint
+from intermission.schemas.errors import ALL_ERRORS
 from intermission.schemas.scope import Scope
 from intermission.wire import (
     COMMANDS_EXCHANGE,
@@ -64,12 +65,22 @@ class DeadLetter:
     source: Source = Source.WORKER
     scope: Scope | None = None
     user_id: str | None = None
+    # Whether ``code`` and ``detail`` are the worker's or the broker's own account of the refusal. An
+    # unverified letter (a worker's copy without its refusal, a broker reason the broker never gives: only
+    # a copy made before workers dropped the sender's look-alike headers can be one) shows "unknown" and
+    # says why, never what its headers claim; its key is still the broker's.
+    verified: bool = True
 
 
 _BROKER_DETAILS: Final = {
     "delivery_limit": "kept failing; dead-lettered by the queue's delivery limit",
     "rejected": "a worker could not even refuse it; dead-lettered by the broker",
+    "expired": "its time to live ran out; dead-lettered by the broker",
+    "maxlen": "its queue was full; dead-lettered by the broker",
 }
+# The refusal codes a worker writes: anything else in a worker's copy is not a refusal this product made.
+_WORKER_CODES: Final = frozenset(error.code for error in ALL_ERRORS)
+_UNVERIFIED_DETAIL: Final = "unverified: the refusal on this letter is not one a worker or the broker wrote"
 
 
 def key_scope(routing_key: str) -> Scope | None:
@@ -95,16 +106,24 @@ def _broker_reason(headers: Mapping[str, Any]) -> str:
 
 
 def describe(message: AbstractIncomingMessage) -> DeadLetter:
+    """``message`` as the dead-letter tools show it: its key from the delivery, its refusal from the worker's
+    copy or the broker's ``x-death``, and nothing else a sender could have written taken as a fact."""
     headers = message.headers or {}
     routing_key = message.routing_key or ""
     if "x-death" in headers:
         reason = _broker_reason(headers)
         source = Source.BROKER
+        verified = reason in _BROKER_DETAILS
         code = "delivery_limit" if reason == "delivery_limit" else f"broker_{reason}"
-        detail = _BROKER_DETAILS.get(reason, f"dead-lettered by the broker ({reason})")
+        detail = _BROKER_DETAILS.get(reason, "")
     else:
         source = Source.WORKER
-        code, detail = str(headers.get(ERROR_HEADER) or "unknown"), str(headers.get(DETAIL_HEADER) or "")
+        written, explained = headers.get(ERROR_HEADER), headers.get(DETAIL_HEADER)
+        verified = isinstance(written, str) and written in _WORKER_CODES
+        code = written if isinstance(written, str) else "unknown"
+        detail = explained if isinstance(explained, str) else ""
+    if not verified:
+        code, detail = "unknown", _UNVERIFIED_DETAIL
     return DeadLetter(
         message_id=message.message_id,
         routing_key=routing_key,
@@ -114,6 +133,7 @@ def describe(message: AbstractIncomingMessage) -> DeadLetter:
         source=source,
         scope=key_scope(routing_key),
         user_id=message.user_id,
+        verified=verified,
     )
 
 

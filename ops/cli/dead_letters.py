@@ -35,9 +35,11 @@ def dead_list(limit: int, as_json: bool) -> None:
         emit_json({"depth": stats.depth, "oldest_seconds": stats.oldest_seconds, "letters": letters})
         return
     for letter in letters:
+        # Who dead-lettered it (the broker's key is always the delivery's own); "unverified" when its refusal
+        # is not one a worker or the broker wrote, and then no code or detail is shown as fact.
+        source = letter.source.value if letter.verified else "unverified"
         click.echo(
-            f"{letter.message_id or '-':<40} {letter.routing_key:<24} {letter.source:<6} {letter.code:<28} "
-            f"{letter.detail}"
+            f"{letter.message_id or '-':<40} {letter.routing_key:<24} {source:<10} {letter.code:<28} {letter.detail}"
         )
     oldest = f", the oldest dead-lettered {stats.oldest_seconds:.0f} s ago" if stats.oldest_seconds else ""
     shown = f" ({len(letters)} shown)" if len(letters) < stats.depth else ""
