@@ -18,6 +18,8 @@ import asyncio
 import uuid
 
 import aio_pika
+import pamqp.frame
+import pamqp.header
 import pytest
 from click.testing import CliRunner, Result
 
@@ -60,6 +62,31 @@ async def publish_as(
     await exchange.publish(message, routing_key=routing_key)
 
 
+# The broker's frame_max (RabbitMQ's default, which the test broker keeps): a message's properties travel
+# in one frame.
+FRAME_MAX = 131_072
+
+
+def header_frame_bytes(message: aio_pika.Message) -> int:
+    """The size on the wire of ``message``'s content header frame, which must fit ``frame_max``."""
+    return len(pamqp.frame.marshal(pamqp.header.ContentHeader(0, len(message.body), message.properties), 1))
+
+
+def padded_to(size: int, command: CancelCommand, message_id: str) -> aio_pika.Message:
+    """``command`` with an ``x-pad`` header that makes its header frame exactly ``size`` bytes."""
+
+    def with_pad(pad: int) -> aio_pika.Message:
+        return aio_pika.Message(
+            command.model_dump_json().encode(),
+            message_id=message_id,
+            content_type="application/json",
+            headers={SCHEMA_VERSION_HEADER: 1, "x-pad": "p" * pad},
+        )
+
+    # A long string's length counts once, byte for byte: the frame grows by exactly what the pad does.
+    return with_pad(100_000 + size - header_frame_bytes(with_pad(100_000)))
+
+
 async def paused_run(host: HostClient, scope: Scope) -> tuple[str, ResumeCommand]:
     """A run of ``scope`` paused on an external tool, and the resume that would complete it."""
     cmd = start(scope, LOOKUP, {"say": "done"})
@@ -86,13 +113,10 @@ async def test_a_refusal_of_a_command_with_near_frame_headers_keeps_the_connecti
     refused = await capture(amqp_vhost.url(), EVENTS_EXCHANGE, f"command.rejected.{scope.routing_suffix()}")
     sender = await confiner.confined(scope, prefix="padder")
     message_id = f"padded-{uuid.uuid4()}"
-    # A frame is 128 KiB here: these headers fill nearly all of it, and the broker takes them.
-    padded = aio_pika.Message(
-        CancelCommand(scope=scope, run_id="no-such-run").model_dump_json().encode(),
-        message_id=message_id,
-        content_type="application/json",
-        headers={SCHEMA_VERSION_HEADER: 1, "x-pad": "p" * 130_000},
-    )
+    # A frame is 128 KiB here: these headers fill all of it but a few bytes, so the broker takes them, and
+    # a copy with the refusal's headers added to them would not fit.
+    padded = padded_to(FRAME_MAX - 32, CancelCommand(scope=scope, run_id="no-such-run"), message_id)
+    assert header_frame_bytes(padded) == FRAME_MAX - 32
     await publish_as(sender, amqp_vhost, amqp_connect, padded, Command.CANCEL.key(scope))
 
     # Another tenant, served by the same worker on the same connection meanwhile.
