@@ -249,12 +249,14 @@ async def replay_dead(
     limit: int = 1000,
     on_looked_at: Callable[[], None] = lambda: None,
     *,
-    as_another: bool = False,
+    as_another: bool | Callable[[DeadLetter], bool] = False,
 ) -> Replay:
     """Republish the dead-lettered commands ``wanted`` selects, each under ``replay_key``. A letter that
     would go out on the replaying connection's identity rather than its sender's is kept in place unless
-    ``as_another`` says the operator agreed to that. ``on_looked_at`` is called once per dead letter looked
-    at, replayed or not (a progress bar)."""
+    ``as_another`` says the operator agreed to that: for every such letter (True), or for those it selects
+    (the letters the operator was shown: one dead-lettered after they were asked was not agreed to).
+    ``on_looked_at`` is called once per dead letter looked at, replayed or not (a progress bar)."""
+    agreed = as_another if callable(as_another) else (lambda _letter: as_another)
     channel, fetched = await _fetch_all(connection, limit)
     replayed: list[DeadLetter] = []
     kept: list[tuple[DeadLetter, Kept]] = []
@@ -270,7 +272,7 @@ async def replay_dead(
             if isinstance(key, Kept):
                 kept.append((letter, key))
                 continue
-            if not as_another and republished_as_another(letter, me):
+            if republished_as_another(letter, me) and not agreed(letter):
                 kept.append((letter, Kept.ANOTHER_IDENTITY))
                 continue
             await exchange.publish(
