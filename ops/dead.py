@@ -11,8 +11,9 @@ Nothing here believes a header the sender could have chosen. Only workers and th
 ``intermission.dead`` (no host may write to it), and both keep the key the message was first published
 with, so a dead letter's key is the delivery's own, never a header. Its refusal is read from the refusal
 headers only when a worker wrote the copy; when the broker dead-lettered the message (``Source``), every
-header is the sender's. A replay goes out only under a key naming the scope its body acts in, and as its
-sender's identity unless the operator agreed otherwise.
+header is the sender's and only the broker's ``x-death`` reason is read. A refusal neither could have
+written is shown ``unverified``, never as what it claims. A replay goes out only under a key naming the
+scope its body acts in, and as its sender's identity unless the operator agreed otherwise.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ class DeadLetter:
     scope: Scope | None = None
     user_id: str | None = None
     # Whether ``code`` and ``detail`` are the worker's or the broker's own account of the refusal. An
-    # unverified letter (a worker's copy without its refusal, a broker reason the broker never gives: only
-    # a copy made before workers dropped the sender's look-alike headers can be one) shows "unknown" and
-    # says why, never what its headers claim; its key is still the broker's.
+    # unverified letter (a code no worker writes, an ``x-death`` reason the broker never gives: only a letter
+    # made by hand, or a copy by a worker from before the sender's look-alikes were dropped, can be one)
+    # shows "unknown" and says so, never what its headers claim; its key is still the broker's.
     verified: bool = True
 
 
