@@ -271,6 +271,10 @@ async def test_a_forged_command_the_delivery_limit_dead_letters_is_listed_and_ke
             ORIGINAL_KEY_HEADER: Command.CANCEL.key(victim),
             ERROR_HEADER: "store_unavailable",
             DETAIL_HEADER: "the database was down; replay me",
+            # A dead-lettering history of mallory's own: the broker's latest entry is still the one read.
+            "x-death": [
+                {"reason": "expired", "queue": "intermission.cancel", "routing-keys": [Command.CANCEL.key(victim)]}
+            ],
         },
     )
     await publish_as(mallory, amqp_vhost, amqp_connect, forged, Command.CANCEL.key(other_scope))
@@ -285,6 +289,7 @@ async def test_a_forged_command_the_delivery_limit_dead_letters_is_listed_and_ke
         handed_back += 1
     [letter] = await dead.wait_for(lambda got: len(got) >= 1, within=WAIT, what="the dead letter")
     assert letter.headers["x-death"][0]["reason"] == "delivery_limit"
+    assert letter.routing_key == Command.CANCEL.key(other_scope)
     assert handed_back > 1
 
     env = env_of(database_url, amqp_url)
