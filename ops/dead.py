@@ -11,8 +11,9 @@ Nothing here believes a header the sender could have chosen. Only workers and th
 ``intermission.dead`` (no host may write to it), and both keep the key the message was first published
 with, so a dead letter's key is the delivery's own, never a header. Its refusal is read from the refusal
 headers only when a worker wrote the copy; when the broker dead-lettered the message (``Source``), every
-header is the sender's. A replay goes out only under a key naming the scope its body acts in, and as its
-sender's identity unless the operator agreed otherwise.
+header is the sender's and only the broker's ``x-death`` reason is read. A refusal neither could have
+written is shown ``unverified``, never as what it claims. A replay goes out only under a key naming the
+scope its body acts in, and as its sender's identity unless the operator agreed otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any, Final
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 
 from intermission.consumers.parsing import readable_body, scope_hint
+from intermission.schemas.errors import ALL_ERRORS
 from intermission.schemas.scope import Scope
 from intermission.wire import (
     COMMANDS_EXCHANGE,
@@ -64,12 +66,22 @@ class DeadLetter:
     source: Source = Source.WORKER
     scope: Scope | None = None
     user_id: str | None = None
+    # Whether ``code`` and ``detail`` are the worker's or the broker's own account of the refusal. An
+    # unverified letter (a code no worker writes, an ``x-death`` reason the broker never gives: only a letter
+    # made by hand, or a copy by a worker from before the sender's look-alikes were dropped, can be one)
+    # shows "unknown" and says so, never what its headers claim; its key is still the broker's.
+    verified: bool = True
 
 
 _BROKER_DETAILS: Final = {
     "delivery_limit": "kept failing; dead-lettered by the queue's delivery limit",
     "rejected": "a worker could not even refuse it; dead-lettered by the broker",
+    "expired": "its time to live ran out; dead-lettered by the broker",
+    "maxlen": "its queue was full; dead-lettered by the broker",
 }
+# The refusal codes a worker writes: anything else in a worker's copy is not a refusal this product made.
+_WORKER_CODES: Final = frozenset(error.code for error in ALL_ERRORS)
+_UNVERIFIED_DETAIL: Final = "unverified: the refusal on this letter is not one a worker or the broker wrote"
 
 
 def key_scope(routing_key: str) -> Scope | None:
@@ -95,16 +107,24 @@ def _broker_reason(headers: Mapping[str, Any]) -> str:
 
 
 def describe(message: AbstractIncomingMessage) -> DeadLetter:
+    """``message`` as the dead-letter tools show it: its key from the delivery, its refusal from the worker's
+    copy or the broker's ``x-death``, and nothing else a sender could have written taken as a fact."""
     headers = message.headers or {}
     routing_key = message.routing_key or ""
     if "x-death" in headers:
         reason = _broker_reason(headers)
         source = Source.BROKER
+        verified = reason in _BROKER_DETAILS
         code = "delivery_limit" if reason == "delivery_limit" else f"broker_{reason}"
-        detail = _BROKER_DETAILS.get(reason, f"dead-lettered by the broker ({reason})")
+        detail = _BROKER_DETAILS.get(reason, "")
     else:
         source = Source.WORKER
-        code, detail = str(headers.get(ERROR_HEADER) or "unknown"), str(headers.get(DETAIL_HEADER) or "")
+        written, explained = headers.get(ERROR_HEADER), headers.get(DETAIL_HEADER)
+        verified = isinstance(written, str) and written in _WORKER_CODES
+        code = written if isinstance(written, str) else "unknown"
+        detail = explained if isinstance(explained, str) else ""
+    if not verified:
+        code, detail = "unknown", _UNVERIFIED_DETAIL
     return DeadLetter(
         message_id=message.message_id,
         routing_key=routing_key,
@@ -114,6 +134,7 @@ def describe(message: AbstractIncomingMessage) -> DeadLetter:
         source=source,
         scope=key_scope(routing_key),
         user_id=message.user_id,
+        verified=verified,
     )
 
 
@@ -229,12 +250,14 @@ async def replay_dead(
     limit: int = 1000,
     on_looked_at: Callable[[], None] = lambda: None,
     *,
-    as_another: bool = False,
+    as_another: bool | Callable[[DeadLetter], bool] = False,
 ) -> Replay:
     """Republish the dead-lettered commands ``wanted`` selects, each under ``replay_key``. A letter that
     would go out on the replaying connection's identity rather than its sender's is kept in place unless
-    ``as_another`` says the operator agreed to that. ``on_looked_at`` is called once per dead letter looked
-    at, replayed or not (a progress bar)."""
+    ``as_another`` says the operator agreed to that: for every such letter (True), or for those it selects
+    (the letters the operator was shown: one dead-lettered after they were asked was not agreed to).
+    ``on_looked_at`` is called once per dead letter looked at, replayed or not (a progress bar)."""
+    agreed = as_another if callable(as_another) else (lambda _letter: as_another)
     channel, fetched = await _fetch_all(connection, limit)
     replayed: list[DeadLetter] = []
     kept: list[tuple[DeadLetter, Kept]] = []
@@ -250,7 +273,7 @@ async def replay_dead(
             if isinstance(key, Kept):
                 kept.append((letter, key))
                 continue
-            if not as_another and republished_as_another(letter, me):
+            if republished_as_another(letter, me) and not agreed(letter):
                 kept.append((letter, Kept.ANOTHER_IDENTITY))
                 continue
             await exchange.publish(

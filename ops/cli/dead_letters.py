@@ -3,6 +3,7 @@ queues."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final
 
 import click
@@ -35,9 +36,11 @@ def dead_list(limit: int, as_json: bool) -> None:
         emit_json({"depth": stats.depth, "oldest_seconds": stats.oldest_seconds, "letters": letters})
         return
     for letter in letters:
+        # Who dead-lettered it (the broker's key is always the delivery's own); "unverified" when its refusal
+        # is not one a worker or the broker wrote, and then no code or detail is shown as fact.
+        source = letter.source.value if letter.verified else "unverified"
         click.echo(
-            f"{letter.message_id or '-':<40} {letter.routing_key:<24} {letter.source:<6} {letter.code:<28} "
-            f"{letter.detail}"
+            f"{letter.message_id or '-':<40} {letter.routing_key:<24} {source:<10} {letter.code:<28} {letter.detail}"
         )
     oldest = f", the oldest dead-lettered {stats.oldest_seconds:.0f} s ago" if stats.oldest_seconds else ""
     shown = f" ({len(letters)} shown)" if len(letters) < stats.depth else ""
@@ -73,7 +76,7 @@ def dead_replay(
         me = connection_user(connection)
         return [d for d in await list_dead(connection, 1000) if wanted(d) and republished_as_another(d, me)]
 
-    async def replay(connection: AbstractRobustConnection, as_another: bool) -> Replay:
+    async def replay(connection: AbstractRobustConnection, as_another: Callable[[DeadLetter], bool]) -> Replay:
         depth = (await dead_stats(connection)).depth
         with progress_bar() as bar:
             task = bar.add_task("replaying", total=depth)
@@ -81,18 +84,23 @@ def dead_replay(
 
     async def run() -> Replay:
         async with broker(settings) as connection:
-            as_another = agreed
-            if not agreed and (foreign := await others(connection)):
+            if agreed:
+                return await replay(connection, lambda _letter: True)
+            foreign = await others(connection)
+            if foreign:
                 for letter in foreign:
                     sender = letter.user_id or "no user_id"
                     say(f"{letter.message_id} ({letter.routing_key}) was sent by {sender}")
-                as_another = click.confirm(
+                if not click.confirm(
                     f"{len(foreign)} command(s) would go out as {connection_user(connection)}, "
                     "which may act for more scopes than their senders: replay them as that user?",
                     err=True,
                     default=False,
-                )
-            return await replay(connection, as_another)
+                ):
+                    foreign = []
+            # Only the letters shown were agreed to: one dead-lettered while the question was asked is kept.
+            shown = {_identity(d) for d in foreign}
+            return await replay(connection, lambda letter: _identity(letter) in shown)
 
     done = run_or_exit("dead replay", run(), settings)
     if as_json:
@@ -103,6 +111,11 @@ def dead_replay(
     for letter, why in done.kept:
         click.echo(f"kept {letter.message_id} ({letter.routing_key}): {_KEPT_BECAUSE[why]}")
     say(f"{len(done.replayed)} command(s) replayed" + (f", {len(done.kept)} kept" if done.kept else ""))
+
+
+def _identity(letter: DeadLetter) -> tuple[str | None, str, str | None, int]:
+    """What tells a letter listed before the question from one that arrived after it."""
+    return (letter.message_id, letter.routing_key, letter.user_id, letter.size)
 
 
 _KEPT_BECAUSE: Final = {

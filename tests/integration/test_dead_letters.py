@@ -4,14 +4,18 @@ once what refused them is fixed, never lost on the way."""
 from __future__ import annotations
 
 import asyncio
+import io
 import uuid
+from collections.abc import Callable
 
 import aio_pika
+from click.testing import CliRunner
 
 from intermission.fleet.worker import Worker
+from intermission.ops.cli import main
 from intermission.ops.dead import Kept, list_dead, replay_dead
 from intermission.publishers.clients import HostClient, version_of
-from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
+from intermission.schemas.commands import CancelCommand, ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
@@ -99,3 +103,76 @@ async def test_dead_letters_are_listed_in_place_and_replayed_once_fixed(
 
         await eventually(completed, what="the replayed resume applied")
         assert [d.message_id for d in await list_dead(connection)] == [refused]
+
+
+class AnswerThen(io.BytesIO):
+    """A terminal's answer that, as it is read, lets something happen first: what arrives while the person
+    reads the question."""
+
+    def __init__(self, answer: bytes, meanwhile: Callable[[], None]) -> None:
+        super().__init__(answer)
+        self.meanwhile: Callable[[], None] | None = meanwhile
+
+    def _first(self, n: int | None) -> None:
+        if n != 0 and self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            meanwhile()
+
+    def read(self, n: int | None = -1) -> bytes:
+        self._first(n)
+        return super().read(n)
+
+    def read1(self, n: int | None = -1) -> bytes:
+        self._first(n)
+        return super().read1(n)
+
+    def readline(self, n: int | None = -1) -> bytes:
+        self._first(n)
+        return super().readline(n)
+
+
+async def test_dead_replay_publishes_as_the_operator_only_the_letters_it_asked_about(
+    amqp_url: str,
+    database_url: str,
+    amqp_vhost: Vhost,
+    amqp_connect: ConnectionFactory,
+    capture: CaptureFactory,
+    scope: Scope,
+) -> None:
+    """The operator agrees to replay, as themselves, the letters ``dead replay --all`` listed; one that was
+    dead-lettered while they read the question was not among them, and is kept (``another_identity``)
+    rather than published on the operator's identity unseen."""
+    from tests.integration.test_operator_cli import env_of, parsed
+
+    connection = await amqp_connect(amqp_url, "ops")
+    channel = await connection.channel(publisher_confirms=True)
+    dead = await channel.get_exchange(DEAD_EXCHANGE)
+
+    async def dead_letter(message_id: str) -> None:
+        body = CancelCommand(scope=scope, run_id="some-run", reason=message_id)
+        letter = aio_pika.Message(
+            body.model_dump_json().encode(), message_id=message_id, headers={SCHEMA_VERSION_HEADER: 1}
+        )
+        await dead.publish(letter, routing_key=Command.CANCEL.key(scope))
+
+    await dead_letter("shown")
+    sent = await capture(amqp_url, COMMANDS_EXCHANGE, Command.CANCEL.binding)
+    loop = asyncio.get_running_loop()
+
+    def arrives() -> None:
+        asyncio.run_coroutine_threadsafe(dead_letter("arrived-later"), loop).result(timeout=30)
+
+    done = parsed(
+        await asyncio.to_thread(
+            CliRunner().invoke,
+            main,
+            ["dead", "replay", "--all", "--json"],
+            env=env_of(database_url, amqp_url),
+            input=AnswerThen(b"y\n", arrives),
+        )
+    )
+    assert [d["message_id"] for d in done["replayed"]] == ["shown"]
+    assert [(k["letter"]["message_id"], k["why"]) for k in done["kept"]] == [("arrived-later", "another_identity")]
+    await sent.wait_ids({"shown"})
+    assert [d.message_id for d in await list_dead(connection)] == ["arrived-later"]
+    assert [m.message_id for m in sent.messages] == ["shown"]
