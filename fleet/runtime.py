@@ -266,23 +266,47 @@ class Fleet:
         batch = min(self.settings.reclaim_batch, self.room())
         if batch == 0:
             return 0
-        taken = await self.stores.across_scopes.reclaim_lapsed(self.lease(), batch)
+        # The batch's places are held from before the claim until each run is handed over (or given up),
+        # as an admitted command's are: a command admitted while the claim is in the database would
+        # otherwise take a place the takeover counted on, and the worker would pass its cap.
+        self._admitting += batch
+        held = batch
+        try:
+            taken = await self.stores.across_scopes.reclaim_lapsed(self.lease(), batch)
+        except BaseException:
+            self._give_back(held)
+            raise
+        self._give_back(held - len(taken))
+        held = len(taken)
         self.metrics.lease_takeovers.inc(len(taken))
-        for one in taken:
-            extra = {"run_id": one.run_id if isinstance(one, Unreadable) else one.run.id}
-            try:
-                if isinstance(one, Unreadable):
-                    await self._quarantine(one.run_id, one.scope, InvalidContinuation(one.detail))
-                else:
-                    await self._continue_reclaimed(one)
-            except TransientError as exc:
-                log.warning(
-                    "could not continue a reclaimed run; its lease will lapse and it is taken again",
-                    extra={"action": "reclaim_run_retry", "error": exc.code, **extra},
-                )
-            except Exception:
-                log.exception("could not continue a reclaimed run", extra={"action": "reclaim_run_error", **extra})
+        try:
+            for one in taken:
+                extra = {"run_id": one.run_id if isinstance(one, Unreadable) else one.run.id}
+                try:
+                    if isinstance(one, Unreadable):
+                        await self._quarantine(one.run_id, one.scope, InvalidContinuation(one.detail))
+                    else:
+                        await self._continue_reclaimed(one)
+                except TransientError as exc:
+                    log.warning(
+                        "could not continue a reclaimed run; its lease will lapse and it is taken again",
+                        extra={"action": "reclaim_run_retry", "error": exc.code, **extra},
+                    )
+                except Exception:
+                    log.exception("could not continue a reclaimed run", extra={"action": "reclaim_run_error", **extra})
+                finally:
+                    held -= 1
+                    self._give_back(1)
+        finally:
+            # Cancelled part way (the worker stopping): the places of the runs not reached are given back.
+            self._give_back(held)
         return len(taken)
+
+    def _give_back(self, places: int) -> None:
+        """Give back places held for runs about to be taken; anyone waiting for room looks again."""
+        if places:
+            self._admitting -= places
+            self._room.set()
 
     async def _continue_reclaimed(self, reclaimed: Reclaimed) -> None:
         run = reclaimed.run

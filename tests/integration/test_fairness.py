@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from intermission.agent.executor import RunContext
+from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker, running_worker
 from intermission.publishers.clients import HostClient, version_of
@@ -39,6 +40,9 @@ from intermission.wire import EVENTS_EXCHANGE, Command
 from tests.conftest import race
 from tests.integration.test_messaging import LOOKUP, next_event, notice_for, run_event, start
 from tests.support.amqp import Broker, CaptureFactory, Vhost
+from tests.support.factories import lease as held_by
+from tests.support.factories import running_run
+from tests.support.fleet import fast_settings
 from tests.support.inspect import Inspector
 from tests.support.waiting import eventually
 
@@ -88,6 +92,48 @@ async def test_a_start_over_the_fleet_s_ceilings_is_refused_and_writes_nothing(
     # The same ceiling at the store, with the limits of DEFAULTS.
     with pytest.raises(LimitExceeded, match=re.escape(field)):
         await StoresStart(stores).start(start(scope, LOOKUP, config=config), DEFAULTS)
+
+
+TOKENS = RunDefaults(pause_ttl_seconds=0, max_steps=8, max_total_tokens_limit=50_000, max_tokens_limit=4_000)
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        (RunConfig(budget=Budget(max_total_tokens=50_001)), "config.budget.max_total_tokens is 50001"),
+        (RunConfig(max_tokens=4_001), "config.max_tokens is 4001, over this fleet's limit of 4000"),
+    ],
+)
+async def test_a_start_over_a_token_ceiling_is_refused_and_writes_nothing(
+    config: RunConfig, field: str, stores: Stores, scope: Scope, db: Inspector
+) -> None:
+    cmd = start(scope, LOOKUP, config=config)
+    with pytest.raises(LimitExceeded, match=re.escape(field)):
+        await StoresStart(stores).start(cmd, TOKENS)
+    assert await rows_of(db, cmd.run_id) == (0, 0)
+
+
+async def test_a_start_leaving_the_token_budgets_unset_is_given_the_ceilings_and_one_within_keeps_its_own(
+    stores: Stores, scope: Scope, db: Inspector
+) -> None:
+    unset = start(scope, LOOKUP)
+    within = start(scope, LOOKUP, config=RunConfig(max_tokens=100, budget=Budget(max_total_tokens=1_000)))
+    for cmd in (unset, within):
+        assert await StoresStart(stores).start(cmd, TOKENS) is not None
+
+    async def stored(run_id: str) -> tuple[int, int]:
+        row = await db.con.fetchrow(
+            "SELECT (config->'budget'->>'max_total_tokens')::int AS total, (config->>'max_tokens')::int AS turn "
+            "FROM runs WHERE id = $1",
+            run_id,
+        )
+        assert row is not None
+        return row["total"], row["turn"]
+
+    # "No limit" in a start is the fleet's ceiling once it has one: the stored config, which every resume
+    # reads, says so.
+    assert await stored(unset.run_id) == (50_000, 4_000)
+    assert await stored(within.run_id) == (1_000, 100)
 
 
 class StoresStart:
@@ -211,6 +257,54 @@ async def test_a_worker_continues_at_most_its_cap_of_runs_and_the_rest_wait_unac
             return bool(done == len(commands))
 
         await eventually(all_completed, within=WAIT, what="all five runs completed")
+    assert held.most == 2
+
+
+async def test_a_takeover_holds_its_places_from_its_claim_so_no_command_takes_them_meanwhile(
+    stores: Stores, scope: Scope, db: Inspector, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = HeldRuns()
+    fleet = Fleet(
+        stores, fast_settings(database_url, lease_seconds=60.0, lease_renew_seconds=30.0, runs_in_flight=2), held
+    )
+    runs = [(await running_run(stores, scope, holder=held_by("a-worker-that-died", ttl=0.2)))[0] for _ in range(2)]
+    await db.con.execute("UPDATE runs SET lease_expires_at = now() WHERE id = ANY($1::text[])", [r.id for r in runs])
+    claimed, handed_over = asyncio.Event(), asyncio.Event()
+    claim = stores.across_scopes.reclaim_lapsed
+
+    async def claim_then_wait(owner: Lease, batch: int) -> Any:
+        taken = await claim(owner, batch)
+        claimed.set()
+        await handed_over.wait()
+        return taken
+
+    monkeypatch.setattr(stores.across_scopes, "reclaim_lapsed", claim_then_wait)
+    sweep = asyncio.create_task(fleet.reclaim_once())
+    await asyncio.wait_for(claimed.wait(), WAIT)
+    # Both runs are this worker's in the database and not yet running here: their places are taken, so a
+    # command that would start a third run waits.
+    assert fleet.room() == 0
+    admitted = asyncio.Event()
+
+    async def a_command() -> None:
+        async with fleet.admitting():
+            admitted.set()
+
+    command = asyncio.create_task(a_command())
+    handed_over.set()
+    assert await asyncio.wait_for(sweep, WAIT) == 2
+
+    async def both_running() -> bool:
+        return held.active == 2
+
+    await eventually(both_running, within=WAIT, what="both taken-over runs running")
+    assert not admitted.is_set()
+    held.go.release()
+    await asyncio.wait_for(command, WAIT)
+    held.go.release()
+    await fleet.drain()
+    states = await db.con.fetch("SELECT state FROM runs WHERE id = ANY($1::text[])", [r.id for r in runs])
+    assert [r["state"] for r in states] == ["completed", "completed"]
     assert held.most == 2
 
 
