@@ -209,8 +209,10 @@ class HeldRuns:
         self.most = 0
         self.changed = asyncio.Event()
         self.go = asyncio.Semaphore(0)
+        self.started: list[Scope] = []
 
     async def execute(self, ctx: RunContext) -> None:
+        self.started.append(ctx.scope)
         self.active += 1
         self.most = max(self.most, self.active)
         self.changed.set()
@@ -257,6 +259,62 @@ async def test_a_worker_continues_at_most_its_cap_of_runs_and_the_rest_wait_unac
             return bool(done == len(commands))
 
         await eventually(all_completed, within=WAIT, what="all five runs completed")
+    assert held.most == 2
+
+
+async def test_past_the_cap_a_worker_serves_the_waiting_scopes_in_turn_so_a_flood_does_not_go_first(
+    settings: Settings, stores: Stores, host: HostClient, scope: Scope, other_scope: Scope, db: Inspector
+) -> None:
+    flood, victim = scope, other_scope
+    held = HeldRuns()
+    capped = settings.model_copy(update={"runs_in_flight": 2})
+    assert capped.prefetch >= 9  # every start below reaches the worker
+    async with running_worker(capped, executor=held, stores=stores) as w:
+        flooding = [start(flood, {"say": "hi"}) for _ in range(8)]
+        for cmd in flooding:
+            await host.start(cmd)
+
+        async def flood_running_and_waiting() -> bool:
+            return held.active == 2 and w.fleet.admission.waiting() == 6
+
+        await eventually(flood_running_and_waiting, within=WAIT, what="two flood runs running, six starts waiting")
+        cmd = start(victim, {"say": "hi"})
+        await host.start(cmd)
+
+        async def seven_waiting() -> bool:
+            return w.fleet.admission.waiting() == 7
+
+        await eventually(seven_waiting, within=WAIT, what="the other tenant's start waiting in the worker")
+        # Places free one at a time: the first goes to the scope whose turn it is (the flood's, waiting
+        # longest), the next to the other tenant, ahead of the flood's five other waiting starts.
+        for started in (3, 4):
+            held.go.release()
+
+            async def next_started(count: int = started) -> bool:
+                return len(held.started) == count
+
+            await eventually(next_started, within=WAIT, what=f"run {started} started")
+        assert held.started == [flood, flood, flood, victim]
+        for _ in range(9):
+            held.go.release()
+
+        async def all_completed() -> bool:
+            done = await db.con.fetchval(
+                "SELECT count(*) FROM runs WHERE id = ANY($1::text[]) AND state = 'completed'",
+                [c.run_id for c in [*flooding, cmd]],
+            )
+            return bool(done == 9)
+
+        await eventually(all_completed, within=WAIT, what="all nine runs completed")
+    # The database's order says the same: the other tenant's run was created after three of the flood's.
+    before = await db.con.fetchval(
+        "SELECT count(*) FROM runs WHERE app = $1 AND tenant = $2"
+        " AND created_at < (SELECT created_at FROM runs WHERE id = $3)",
+        flood.app,
+        flood.tenant,
+        cmd.run_id,
+    )
+    assert before == 3
     assert held.most == 2
 
 
