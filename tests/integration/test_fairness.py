@@ -19,11 +19,13 @@ import uuid
 from typing import Any
 
 import pytest
+from click.testing import CliRunner, Result
 
 from intermission.agent.executor import RunContext
 from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker, running_worker
+from intermission.ops.cli import main
 from intermission.publishers.clients import HostClient, version_of
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.config import Budget, RunConfig
@@ -39,6 +41,7 @@ from intermission.store.runs import Quota
 from intermission.wire import EVENTS_EXCHANGE, Command
 from tests.conftest import race
 from tests.integration.test_messaging import LOOKUP, next_event, notice_for, run_event, start
+from tests.integration.test_operator_cli import env_of, parsed
 from tests.support.amqp import Broker, CaptureFactory, Vhost
 from tests.support.factories import lease as held_by
 from tests.support.factories import running_run
@@ -399,3 +402,33 @@ async def test_a_tenant_flooding_at_its_quota_holds_its_quota_and_another_tenant
         "SELECT count(*) FROM runs WHERE app = $1 AND tenant = $2", flood.app, flood.tenant
     )
     assert flood_runs == 10
+
+
+async def test_quotas_set_from_the_cli_are_enforced_and_listed_with_the_scope_s_live_runs(
+    stores: Stores, scope: Scope, other_scope: Scope, db: Inspector, database_url: str, amqp_vhost: Vhost
+) -> None:
+    env = env_of(database_url, amqp_vhost.url())
+
+    def cli(*args: str) -> Result:
+        return CliRunner().invoke(main, ["quotas", *args], env=env)
+
+    who = ["--app", scope.app, "--tenant", scope.tenant]
+    set_out = parsed(
+        await asyncio.to_thread(cli, "set", *who, "--live-runs", "1", "--starts-per-second", "50", "--json")
+    )
+    assert (set_out["quota"]["live_runs"], set_out["quota"]["starts_per_second"]) == (1, 50.0)
+    assert await StoresStart(stores).start(start(scope, LOOKUP), DEFAULTS) is not None
+    refused = start(scope, LOOKUP)
+    with pytest.raises(QuotaExceeded, match="live runs"):
+        await StoresStart(stores).start(refused, DEFAULTS)
+    assert await rows_of(db, refused.run_id) == (0, 0)
+    assert await StoresStart(stores).start(start(other_scope, LOOKUP), DEFAULTS) is not None
+
+    listed = parsed(await asyncio.to_thread(cli, "list", "--json"))["quotas"]
+    assert [(q["live_runs"], q["starts_per_second"], q["live"]) for q in listed] == [(1, 50.0, 1)]
+    # An option left out goes back to the fleet's default (null), which here is no quota.
+    reset = parsed(await asyncio.to_thread(cli, "set", *who, "--json"))["quota"]
+    assert (reset["live_runs"], reset["starts_per_second"]) == (None, None)
+    assert await StoresStart(stores).start(start(scope, LOOKUP), DEFAULTS) is not None
+    bad = await asyncio.to_thread(cli, "set", *who, "--live-runs", "-1")
+    assert bad.exit_code == 2, bad.output
