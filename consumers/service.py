@@ -45,7 +45,7 @@ class CommandConsumers:
         in_flight_limit: int = 8,
         batch_size: int = 32,
         batches_in_flight: int = 2,
-        admit: Callable[[], AbstractAsyncContextManager[None]] | None = None,
+        admit: Callable[[str], AbstractAsyncContextManager[None]] | None = None,
     ) -> None:
         self.policy = policy
         self._admit = admit
@@ -74,7 +74,13 @@ class CommandConsumers:
             self._in_flight.add(task)
             self._idle.clear()
             try:
-                admitted = self._admit() if self._admit is not None and command in RUN_CAUSING else None
+                # Waiting past the cap is served a scope at a time, by the routing key (which names the
+                # scope): it orders the waiting and authorises nothing.
+                admitted = (
+                    self._admit(message.routing_key or "")
+                    if self._admit is not None and command in RUN_CAUSING
+                    else None
+                )
                 async with admitted if admitted is not None else contextlib.nullcontext():
                     if self.batches is not None and command in BATCHED:
                         await self.batches.submit(message, command)

@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 
 from intermission.agent.executor import EndedOnRequest, Executor, RunContext, RunHandle, StopAtBoundary
+from intermission.fleet.admission import Admission
 from intermission.fleet.identity import incarnation
 from intermission.fleet.lease import LeaseKeeper
 from intermission.fleet.run_spans import continuing
@@ -75,9 +76,7 @@ class Fleet:
         self.executor = executor
         self.owner = owner or incarnation()
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._admitting = 0
-        self._room = asyncio.Event()
-        self._room.set()
+        self.admission = Admission(settings.runs_in_flight, lambda: len(self._tasks))
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -111,22 +110,13 @@ class Fleet:
 
     def room(self) -> int:
         """How many more runs this worker may take now (a large number when it has no cap)."""
-        cap = self.settings.runs_in_flight
-        return max(0, cap - len(self._tasks) - self._admitting) if cap else 1 << 30
+        return self.admission.room()
 
-    @contextlib.asynccontextmanager
-    async def admitting(self) -> AsyncIterator[None]:
+    def admitting(self, key: str = "") -> AbstractAsyncContextManager[None]:
         """Hold one of the worker's places for runs while a command that may start or resume one is
-        applied; waits for a place first. The check and the count happen with no await between them."""
-        while not self.room():
-            self._room.clear()
-            await self._room.wait()
-        self._admitting += 1
-        try:
-            yield
-        finally:
-            self._admitting -= 1
-            self._room.set()
+        applied; past the cap wait for one first, served in turn with the other scopes waiting
+        (``fleet/admission.py``). ``key``: the command's routing key, which names its scope."""
+        return self.admission.place(key)
 
     def submit(self, claimed: Claimed, *, taken_over: bool = False) -> asyncio.Task[None]:
         """Run a claimed run under this worker's lease until it pauses, ends, or leaves this worker.
@@ -147,7 +137,7 @@ class Fleet:
     def _forget(self, run_id: str, task: asyncio.Task[None]) -> None:
         if self._tasks.get(run_id) is task:
             del self._tasks[run_id]
-            self._room.set()
+            self.admission.serve()
         if not self._tasks:
             self._idle.set()
 
@@ -266,23 +256,45 @@ class Fleet:
         batch = min(self.settings.reclaim_batch, self.room())
         if batch == 0:
             return 0
-        taken = await self.stores.across_scopes.reclaim_lapsed(self.lease(), batch)
+        # The batch's places are held from before the claim until each run is handed over (or given up),
+        # as an admitted command's are: a command admitted while the claim is in the database would
+        # otherwise take a place the takeover counted on, and the worker would pass its cap.
+        self.admission.hold(batch)
+        held = batch
+        try:
+            taken = await self.stores.across_scopes.reclaim_lapsed(self.lease(), batch)
+        except BaseException:
+            self._give_back(held)
+            raise
+        self._give_back(held - len(taken))
+        held = len(taken)
         self.metrics.lease_takeovers.inc(len(taken))
-        for one in taken:
-            extra = {"run_id": one.run_id if isinstance(one, Unreadable) else one.run.id}
-            try:
-                if isinstance(one, Unreadable):
-                    await self._quarantine(one.run_id, one.scope, InvalidContinuation(one.detail))
-                else:
-                    await self._continue_reclaimed(one)
-            except TransientError as exc:
-                log.warning(
-                    "could not continue a reclaimed run; its lease will lapse and it is taken again",
-                    extra={"action": "reclaim_run_retry", "error": exc.code, **extra},
-                )
-            except Exception:
-                log.exception("could not continue a reclaimed run", extra={"action": "reclaim_run_error", **extra})
+        try:
+            for one in taken:
+                extra = {"run_id": one.run_id if isinstance(one, Unreadable) else one.run.id}
+                try:
+                    if isinstance(one, Unreadable):
+                        await self._quarantine(one.run_id, one.scope, InvalidContinuation(one.detail))
+                    else:
+                        await self._continue_reclaimed(one)
+                except TransientError as exc:
+                    log.warning(
+                        "could not continue a reclaimed run; its lease will lapse and it is taken again",
+                        extra={"action": "reclaim_run_retry", "error": exc.code, **extra},
+                    )
+                except Exception:
+                    log.exception("could not continue a reclaimed run", extra={"action": "reclaim_run_error", **extra})
+                finally:
+                    held -= 1
+                    self._give_back(1)
+        finally:
+            # Cancelled part way (the worker stopping): the places of the runs not reached are given back.
+            self._give_back(held)
         return len(taken)
+
+    def _give_back(self, places: int) -> None:
+        """Give back places held for runs about to be taken, to the commands waiting for one."""
+        self.admission.give_back(places)
 
     async def _continue_reclaimed(self, reclaimed: Reclaimed) -> None:
         run = reclaimed.run

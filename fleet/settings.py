@@ -98,6 +98,12 @@ class Settings(BaseSettings):
     # run asking for a million steps would otherwise hold a worker for as long as it likes.
     max_steps_limit: int = Field(default=1000, ge=0)
     max_tool_calls_limit: int = Field(default=10_000, ge=0)
+    # The most tokens a run may spend in all (budget.max_total_tokens) and one model turn may write
+    # (max_tokens); 0: no ceiling, the default, as before. Both are 0 ("no limit") in a start that leaves
+    # them out, so with a ceiling set such a start is given the ceiling (old hosts keep working, within the
+    # bound); one asking for more than the ceiling is refused limit_exceeded.
+    max_total_tokens_limit: int = Field(default=0, ge=0)
+    max_tokens_limit: int = Field(default=0, ge=0)
     # Every scope's quotas unless `intermission quotas set` gives it its own (0: none): live runs (not
     # ended) and runs started a second, enforced in the start's transaction (quota_exceeded).
     quota_live_runs: int = Field(default=0, ge=0)

@@ -159,6 +159,8 @@ async def running_worker(
                         max_tool_calls=settings.max_tool_calls,
                         max_steps_limit=settings.max_steps_limit,
                         max_tool_calls_limit=settings.max_tool_calls_limit,
+                        max_total_tokens_limit=settings.max_total_tokens_limit,
+                        max_tokens_limit=settings.max_tokens_limit,
                         quota=Quota(settings.quota_live_runs, settings.quota_starts_per_second),
                     ),
                     bus_user=settings.bus_user,

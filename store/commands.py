@@ -94,6 +94,8 @@ class RunDefaults:
     max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
     max_steps_limit: int = 0
     max_tool_calls_limit: int = 0
+    max_total_tokens_limit: int = 0
+    max_tokens_limit: int = 0
     quota: Quota = NO_QUOTA
 
 
@@ -103,9 +105,22 @@ def _check_ceilings(config: RunConfig, defaults: RunDefaults) -> None:
     for field, asked, ceiling in (
         ("max_steps", config.max_steps, defaults.max_steps_limit),
         ("budget.max_tool_calls", config.budget.max_tool_calls, defaults.max_tool_calls_limit),
+        ("budget.max_total_tokens", config.budget.max_total_tokens, defaults.max_total_tokens_limit),
+        ("max_tokens", config.max_tokens, defaults.max_tokens_limit),
     ):
         if ceiling and asked > ceiling:
             raise LimitExceeded(f"config.{field} is {asked}, over this fleet's limit of {ceiling}")
+
+
+def _within_token_ceilings(config: RunConfig, defaults: RunDefaults) -> RunConfig:
+    """The config with its unset (0, "no limit") token budgets given the fleet's ceilings, where it has
+    them: a host that never sets them keeps working, and its run is bounded like any other."""
+    if config.budget.max_total_tokens == 0 and defaults.max_total_tokens_limit:
+        budget = config.budget.model_copy(update={"max_total_tokens": defaults.max_total_tokens_limit})
+        config = config.model_copy(update={"budget": budget})
+    if config.max_tokens == 0 and defaults.max_tokens_limit:
+        config = config.model_copy(update={"max_tokens": defaults.max_tokens_limit})
+    return config
 
 
 def new_run(cmd: StartCommand, defaults: RunDefaults) -> NewRun:
@@ -118,6 +133,7 @@ def new_run(cmd: StartCommand, defaults: RunDefaults) -> NewRun:
     if config.budget.max_tool_calls == 0:
         budget = config.budget.model_copy(update={"max_tool_calls": defaults.max_tool_calls})
         config = config.model_copy(update={"budget": budget})
+    config = _within_token_ceilings(config, defaults)
     return NewRun(
         run_id=cmd.run_id,
         agent_id=cmd.agent_id,

@@ -19,10 +19,13 @@ import uuid
 from typing import Any
 
 import pytest
+from click.testing import CliRunner, Result
 
 from intermission.agent.executor import RunContext
+from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker, running_worker
+from intermission.ops.cli import main
 from intermission.publishers.clients import HostClient
 from intermission.schemas.commands import StartCommand
 from intermission.schemas.config import Budget, RunConfig
@@ -37,7 +40,11 @@ from intermission.store.runs import Quota
 from intermission.wire import EVENTS_EXCHANGE, Command
 from tests.conftest import race
 from tests.integration.test_messaging import LOOKUP, one_run_served, start
+from tests.integration.test_operator_cli import env_of, parsed
 from tests.support.amqp import Broker, CaptureFactory, Vhost
+from tests.support.factories import lease as held_by
+from tests.support.factories import running_run
+from tests.support.fleet import fast_settings
 from tests.support.inspect import Inspector
 from tests.support.waiting import eventually
 
@@ -87,6 +94,48 @@ async def test_a_start_over_the_fleet_s_ceilings_is_refused_and_writes_nothing(
     # The same ceiling at the store, with the limits of DEFAULTS.
     with pytest.raises(LimitExceeded, match=re.escape(field)):
         await StoresStart(stores).start(start(scope, LOOKUP, config=config), DEFAULTS)
+
+
+TOKENS = RunDefaults(pause_ttl_seconds=0, max_steps=8, max_total_tokens_limit=50_000, max_tokens_limit=4_000)
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        (RunConfig(budget=Budget(max_total_tokens=50_001)), "config.budget.max_total_tokens is 50001"),
+        (RunConfig(max_tokens=4_001), "config.max_tokens is 4001, over this fleet's limit of 4000"),
+    ],
+)
+async def test_a_start_over_a_token_ceiling_is_refused_and_writes_nothing(
+    config: RunConfig, field: str, stores: Stores, scope: Scope, db: Inspector
+) -> None:
+    cmd = start(scope, LOOKUP, config=config)
+    with pytest.raises(LimitExceeded, match=re.escape(field)):
+        await StoresStart(stores).start(cmd, TOKENS)
+    assert await rows_of(db, cmd.run_id) == (0, 0)
+
+
+async def test_a_start_leaving_the_token_budgets_unset_is_given_the_ceilings_and_one_within_keeps_its_own(
+    stores: Stores, scope: Scope, db: Inspector
+) -> None:
+    unset = start(scope, LOOKUP)
+    within = start(scope, LOOKUP, config=RunConfig(max_tokens=100, budget=Budget(max_total_tokens=1_000)))
+    for cmd in (unset, within):
+        assert await StoresStart(stores).start(cmd, TOKENS) is not None
+
+    async def stored(run_id: str) -> tuple[int, int]:
+        row = await db.con.fetchrow(
+            "SELECT (config->'budget'->>'max_total_tokens')::int AS total, (config->>'max_tokens')::int AS turn "
+            "FROM runs WHERE id = $1",
+            run_id,
+        )
+        assert row is not None
+        return row["total"], row["turn"]
+
+    # "No limit" in a start is the fleet's ceiling once it has one: the stored config, which every resume
+    # reads, says so.
+    assert await stored(unset.run_id) == (50_000, 4_000)
+    assert await stored(within.run_id) == (1_000, 100)
 
 
 class StoresStart:
@@ -162,8 +211,10 @@ class HeldRuns:
         self.most = 0
         self.changed = asyncio.Event()
         self.go = asyncio.Semaphore(0)
+        self.started: list[Scope] = []
 
     async def execute(self, ctx: RunContext) -> None:
+        self.started.append(ctx.scope)
         self.active += 1
         self.most = max(self.most, self.active)
         self.changed.set()
@@ -213,6 +264,110 @@ async def test_a_worker_continues_at_most_its_cap_of_runs_and_the_rest_wait_unac
     assert held.most == 2
 
 
+async def test_past_the_cap_a_worker_serves_the_waiting_scopes_in_turn_so_a_flood_does_not_go_first(
+    settings: Settings, stores: Stores, host: HostClient, scope: Scope, other_scope: Scope, db: Inspector
+) -> None:
+    flood, victim = scope, other_scope
+    held = HeldRuns()
+    capped = settings.model_copy(update={"runs_in_flight": 2})
+    assert capped.prefetch >= 9  # every start below reaches the worker
+    async with running_worker(capped, executor=held, stores=stores) as w:
+        flooding = [start(flood, {"say": "hi"}) for _ in range(8)]
+        for cmd in flooding:
+            await host.start(cmd)
+
+        async def flood_running_and_waiting() -> bool:
+            return held.active == 2 and w.fleet.admission.waiting() == 6
+
+        await eventually(flood_running_and_waiting, within=WAIT, what="two flood runs running, six starts waiting")
+        cmd = start(victim, {"say": "hi"})
+        await host.start(cmd)
+
+        async def seven_waiting() -> bool:
+            return w.fleet.admission.waiting() == 7
+
+        await eventually(seven_waiting, within=WAIT, what="the other tenant's start waiting in the worker")
+        # Places free one at a time: the first goes to the scope whose turn it is (the flood's, waiting
+        # longest), the next to the other tenant, ahead of the flood's five other waiting starts.
+        for started in (3, 4):
+            held.go.release()
+
+            async def next_started(count: int = started) -> bool:
+                return len(held.started) == count
+
+            await eventually(next_started, within=WAIT, what=f"run {started} started")
+        assert held.started == [flood, flood, flood, victim]
+        for _ in range(9):
+            held.go.release()
+
+        async def all_completed() -> bool:
+            done = await db.con.fetchval(
+                "SELECT count(*) FROM runs WHERE id = ANY($1::text[]) AND state = 'completed'",
+                [c.run_id for c in [*flooding, cmd]],
+            )
+            return bool(done == 9)
+
+        await eventually(all_completed, within=WAIT, what="all nine runs completed")
+    # The database's order says the same: the other tenant's run was created after three of the flood's.
+    before = await db.con.fetchval(
+        "SELECT count(*) FROM runs WHERE app = $1 AND tenant = $2"
+        " AND created_at < (SELECT created_at FROM runs WHERE id = $3)",
+        flood.app,
+        flood.tenant,
+        cmd.run_id,
+    )
+    assert before == 3
+    assert held.most == 2
+
+
+async def test_a_takeover_holds_its_places_from_its_claim_so_no_command_takes_them_meanwhile(
+    stores: Stores, scope: Scope, db: Inspector, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = HeldRuns()
+    fleet = Fleet(
+        stores, fast_settings(database_url, lease_seconds=60.0, lease_renew_seconds=30.0, runs_in_flight=2), held
+    )
+    runs = [(await running_run(stores, scope, holder=held_by("a-worker-that-died", ttl=0.2)))[0] for _ in range(2)]
+    await db.con.execute("UPDATE runs SET lease_expires_at = now() WHERE id = ANY($1::text[])", [r.id for r in runs])
+    claimed, handed_over = asyncio.Event(), asyncio.Event()
+    claim = stores.across_scopes.reclaim_lapsed
+
+    async def claim_then_wait(owner: Lease, batch: int) -> Any:
+        taken = await claim(owner, batch)
+        claimed.set()
+        await handed_over.wait()
+        return taken
+
+    monkeypatch.setattr(stores.across_scopes, "reclaim_lapsed", claim_then_wait)
+    sweep = asyncio.create_task(fleet.reclaim_once())
+    await asyncio.wait_for(claimed.wait(), WAIT)
+    # Both runs are this worker's in the database and not yet running here: their places are taken, so a
+    # command that would start a third run waits.
+    assert fleet.room() == 0
+    admitted = asyncio.Event()
+
+    async def a_command() -> None:
+        async with fleet.admitting():
+            admitted.set()
+
+    command = asyncio.create_task(a_command())
+    handed_over.set()
+    assert await asyncio.wait_for(sweep, WAIT) == 2
+
+    async def both_running() -> bool:
+        return held.active == 2
+
+    await eventually(both_running, within=WAIT, what="both taken-over runs running")
+    assert not admitted.is_set()
+    held.go.release()
+    await asyncio.wait_for(command, WAIT)
+    held.go.release()
+    await fleet.drain()
+    states = await db.con.fetch("SELECT state FROM runs WHERE id = ANY($1::text[])", [r.id for r in runs])
+    assert [r["state"] for r in states] == ["completed", "completed"]
+    assert held.most == 2
+
+
 async def test_a_tenant_flooding_at_its_quota_holds_its_quota_and_another_tenant_s_run_completes(
     worker: Worker,
     stores: Stores,
@@ -235,3 +390,33 @@ async def test_a_tenant_flooding_at_its_quota_holds_its_quota_and_another_tenant
         "SELECT count(*) FROM runs WHERE app = $1 AND tenant = $2", flood.app, flood.tenant
     )
     assert flood_runs == 10
+
+
+async def test_quotas_set_from_the_cli_are_enforced_and_listed_with_the_scope_s_live_runs(
+    stores: Stores, scope: Scope, other_scope: Scope, db: Inspector, database_url: str, amqp_vhost: Vhost
+) -> None:
+    env = env_of(database_url, amqp_vhost.url())
+
+    def cli(*args: str) -> Result:
+        return CliRunner().invoke(main, ["quotas", *args], env=env)
+
+    who = ["--app", scope.app, "--tenant", scope.tenant]
+    set_out = parsed(
+        await asyncio.to_thread(cli, "set", *who, "--live-runs", "1", "--starts-per-second", "50", "--json")
+    )
+    assert (set_out["quota"]["live_runs"], set_out["quota"]["starts_per_second"]) == (1, 50.0)
+    assert await StoresStart(stores).start(start(scope, LOOKUP), DEFAULTS) is not None
+    refused = start(scope, LOOKUP)
+    with pytest.raises(QuotaExceeded, match="live runs"):
+        await StoresStart(stores).start(refused, DEFAULTS)
+    assert await rows_of(db, refused.run_id) == (0, 0)
+    assert await StoresStart(stores).start(start(other_scope, LOOKUP), DEFAULTS) is not None
+
+    listed = parsed(await asyncio.to_thread(cli, "list", "--json"))["quotas"]
+    assert [(q["live_runs"], q["starts_per_second"], q["live"]) for q in listed] == [(1, 50.0, 1)]
+    # An option left out goes back to the fleet's default (null), which here is no quota.
+    reset = parsed(await asyncio.to_thread(cli, "set", *who, "--json"))["quota"]
+    assert (reset["live_runs"], reset["starts_per_second"]) == (None, None)
+    assert await StoresStart(stores).start(start(scope, LOOKUP), DEFAULTS) is not None
+    bad = await asyncio.to_thread(cli, "set", *who, "--live-runs", "-1")
+    assert bad.exit_code == 2, bad.output
