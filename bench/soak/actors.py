@@ -59,7 +59,17 @@ from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, Notice, SuspendReason
-from intermission.wire import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command, message
+from intermission.wire import (
+    COMMANDS_EXCHANGE,
+    DETAIL_HEADER,
+    ERROR_HEADER,
+    ORIGINAL_KEY_HEADER,
+    SCHEMA_VERSION,
+    SCHEMA_VERSION_HEADER,
+    Command,
+    HeaderValue,
+    message,
+)
 from tests.support.hostile import RawText, allow_raw_fields, nested, nested_table, padded_id
 
 log = logging.getLogger("soak.actors")
@@ -80,6 +90,7 @@ PRE_KINDS = frozenset(
         "foreign_scope_command",
         "cross_tenant_key",
         "cross_tenant_body",
+        "forged_dead_letter",
         "non_bus_reply",
         "non_approver_decision",
         "wrong_authority",
@@ -90,7 +101,7 @@ PRE_KINDS = frozenset(
 )
 POST_KINDS = frozenset({"duplicate_command", "message_id_conflict"})
 # Mallory's reach for another tenant's pause (see the module's docstring).
-CROSS_TENANT_KINDS = frozenset({"foreign_scope_command", "cross_tenant_key", "cross_tenant_body"})
+CROSS_TENANT_KINDS = frozenset({"foreign_scope_command", "cross_tenant_key", "cross_tenant_body", "forged_dead_letter"})
 END_KINDS = frozenset({"run_exists", "cancel_ended"})
 MALFORMED_VARIANTS = (
     "not_json",
@@ -676,7 +687,11 @@ class Simulator:
         - ``cross_tenant_body``: keyed for mallory's own scope, with the victim's body: the worker refuses
           it ``forbidden``, and the refusal goes to mallory's scope, never to the victim's;
         - ``foreign_scope_command``: the victim's run and pause named in mallory's own scope (by the bus,
-          trusted with every scope, for a reply): ``not_suspended``, since scope is exact in every query.
+          trusted with every scope, for a reply): ``not_suspended``, since scope is exact in every query;
+        - ``forged_dead_letter``: as ``cross_tenant_body``, with refusal headers forged to name the victim's
+          key and a passing error, so that the dead-letter tools would show it as the victim's and an
+          operator would replay it there: the worker's copy drops them, and the tools read the key the
+          broker delivered it with (the checker holds them to it).
         """
         victim, own = plan.scope, self.actors.mallory_scope
         mid = self._forged_mid(kind)
@@ -717,7 +732,7 @@ class Simulator:
             self.ledger.fault(kind, f"{command.key(victim)} from mallory for {plan.run_id}")
             await self.sender.alone(self.actors.mallory_alone, command, body, record)
             return
-        assert kind == "cross_tenant_body", kind
+        assert kind in ("cross_tenant_body", "forged_dead_letter"), kind
         key = command.key(own)
         record = self._record(
             mid=mid,
@@ -733,9 +748,20 @@ class Simulator:
             victim=victim,
         )
         text = body.model_dump_json()
+        forged_refusal: dict[str, HeaderValue] = (
+            {
+                ORIGINAL_KEY_HEADER: command.key(victim),
+                ERROR_HEADER: "store_unavailable",
+                DETAIL_HEADER: "the database was down; replay me",
+            }
+            if kind == "forged_dead_letter"
+            else {}
+        )
 
         def make() -> aio_pika.Message:
-            return message(text, message_id=mid, routing_key=key, user_id=self.actors.mallory_user)
+            return message(
+                text, message_id=mid, routing_key=key, user_id=self.actors.mallory_user, headers=forged_refusal
+            )
 
         self.ledger.fault(kind, f"{key} from mallory with a body acting in {victim} for {plan.run_id}")
         await self.sender.raw(self.actors.mallory_raw, make, key, record)

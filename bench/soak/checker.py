@@ -772,6 +772,13 @@ class Checker:
         if recorded:
             where = sorted({f"{r['app']}/{r['tenant']}" for r in recorded})
             self.fail(inv, subject, "no inbox record of it in any scope", f"records at {where}")
+        # The dead-letter tools (as the observer reads the queue) show it under the key it was sent with,
+        # never as the victim's, whatever refusal headers it carried.
+        shown_as_victims = [
+            d.routing_key for d in self.dead_by_mid.get(command.message_id, []) if key_scope(d.routing_key) == victim
+        ]
+        if shown_as_victims:
+            self.fail(inv, subject, "its dead letters shown under the key it was sent with", f"{shown_as_victims}")
 
     # --- outbox ------------------------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ COMMAND_DECK = (
     "foreign_scope_command",
     "cross_tenant_key",
     "cross_tenant_body",
+    "forged_dead_letter",
     "non_bus_reply",
     "non_approver_decision",
     "wrong_authority",

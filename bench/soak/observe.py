@@ -17,11 +17,11 @@ from typing import Any
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, AbstractRobustConnection
 from pydantic_core import from_json
 
+from intermission.ops.dead import Source, describe
 from intermission.publishers.amqp import connect
-from intermission.wire import DEAD_QUEUE, ERROR_HEADER, EVENTS_EXCHANGE
+from intermission.wire import DEAD_QUEUE, EVENTS_EXCHANGE
 
 CAPTURE_QUEUE = "soak.capture"
-ORIGINAL_KEY_HEADER = "x-intermission-routing-key"
 # Bodies above this are recorded by size only (the oversized commands' dead-lettered copies).
 KEEP_BODY_BYTES = 1 << 20
 
@@ -133,16 +133,16 @@ class Observer:
     async def _dead(self, message: AbstractIncomingMessage) -> None:
         raw = message.body
         body = _json(raw) if len(raw) <= KEEP_BODY_BYTES else None
-        headers = dict(message.headers or {})
-        error = headers.get(ERROR_HEADER)
-        original = headers.get(ORIGINAL_KEY_HEADER)
-        death = headers.get("x-death")
+        # Read as the operators' tools read it (ops/dead.py): its key the broker's, its refusal the worker's
+        # own or none, whatever headers the sender wrote; the checker holds the tools to what was sent.
+        letter = describe(message)
+        death = (message.headers or {}).get("x-death")
         self.dead.append(
             DeadLetter(
                 message_id=message.message_id,
                 correlation_id=message.correlation_id,
-                routing_key=str(original) if original else (message.routing_key or ""),
-                error=str(error) if error is not None else None,
+                routing_key=letter.routing_key,
+                error=letter.code if letter.source is Source.WORKER else None,
                 death=str(death)[:300] if death is not None else None,
                 size=len(raw),
                 run_id=_body_run_id(body),
