@@ -124,6 +124,18 @@ class Command(StrEnum):
             raise KeyScopeInvalid(routing_key) from exc
 
 
+def scope_of_command_key(routing_key: str) -> Scope | None:
+    """The scope a command's routing key names; None for a bare key, a key of no command, or one that names
+    no scope the contract allows (what a refusal, a dead letter or a tool may attribute a message to)."""
+    command = Command.of_key(routing_key)
+    if command is None:
+        return None
+    try:
+        return command.scope_of_key(routing_key)
+    except KeyScopeInvalid:
+        return None
+
+
 class KeyScopeInvalid(ValueError):
     """A command's routing key names no scope the contract allows."""
 

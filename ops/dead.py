@@ -36,8 +36,8 @@ from intermission.wire import (
     DETAIL_HEADER,
     ERROR_HEADER,
     Command,
-    KeyScopeInvalid,
     replayed_command,
+    scope_of_command_key,
 )
 
 
@@ -84,17 +84,6 @@ _WORKER_CODES: Final = frozenset(error.code for error in ALL_ERRORS)
 _UNVERIFIED_DETAIL: Final = "unverified: the refusal on this letter is not one a worker or the broker wrote"
 
 
-def key_scope(routing_key: str) -> Scope | None:
-    """The scope a command's routing key names; None for a bare key or one that names none."""
-    command = Command.of_key(routing_key)
-    if command is None:
-        return None
-    try:
-        return command.scope_of_key(routing_key)
-    except KeyScopeInvalid:
-        return None
-
-
 def _broker_reason(headers: Mapping[str, Any]) -> str:
     """The reason of the broker's latest dead-lettering: the first ``x-death`` entry, which the broker
     writes (or moves to the front) each time it dead-letters a message, whatever the sender put there."""
@@ -132,7 +121,7 @@ def describe(message: AbstractIncomingMessage) -> DeadLetter:
         detail=detail,
         size=len(message.body),
         source=source,
-        scope=key_scope(routing_key),
+        scope=scope_of_command_key(routing_key),
         user_id=message.user_id,
         verified=verified,
     )

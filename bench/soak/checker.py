@@ -48,7 +48,7 @@ import asyncpg
 from bench.soak.ledger import EXPIRED, Expect, Fate, Ledger, RunPlan, SentCommand
 from bench.soak.observe import DeadLetter, Event
 from intermission.schemas.scope import Scope
-from intermission.wire import Command, KeyScopeInvalid, rejected_key
+from intermission.wire import rejected_key, scope_of_command_key
 
 INVARIANTS: dict[str, str] = {
     "runs_settled": "every run ended, or is paused with exactly one live suspension, as its plan allows",
@@ -222,17 +222,6 @@ def _json(text: str) -> dict[str, Any]:
     parsed = json.loads(text)
     assert isinstance(parsed, dict)
     return parsed
-
-
-def key_scope(routing_key: str) -> Scope | None:
-    """The scope a command's routing key names; None for the bare key or one that names no valid scope."""
-    command = Command.of_key(routing_key)
-    if command is None:
-        return None
-    try:
-        return command.scope_of_key(routing_key)
-    except KeyScopeInvalid:
-        return None
 
 
 def _at(row: asyncpg.Record, scope: Scope | None) -> bool:
@@ -746,7 +735,7 @@ class Checker:
         if not heard:
             return
         self.result.checked[inv] += 1
-        wanted = rejected_key(key_scope(command.routing_key))
+        wanted = rejected_key(scope_of_command_key(command.routing_key))
         wrong = sorted({k for k in heard if k != wanted})
         if wrong:
             self.fail(
@@ -775,7 +764,9 @@ class Checker:
         # The dead-letter tools (as the observer reads the queue) show it under the key it was sent with,
         # never as the victim's, whatever refusal headers it carried.
         shown_as_victims = [
-            d.routing_key for d in self.dead_by_mid.get(command.message_id, []) if key_scope(d.routing_key) == victim
+            d.routing_key
+            for d in self.dead_by_mid.get(command.message_id, [])
+            if scope_of_command_key(d.routing_key) == victim
         ]
         if shown_as_victims:
             self.fail(inv, subject, "its dead letters shown under the key it was sent with", f"{shown_as_victims}")

@@ -21,9 +21,10 @@ from intermission.ops.console.throttle import (
     LoginThrottle,
 )
 from intermission.ops.console.views import pretty_arguments, reach_label, until, visible_letters
-from intermission.ops.dead import DeadLetter, key_scope
+from intermission.ops.dead import DeadLetter
 from intermission.ops.grants import permits
 from intermission.schemas.scope import Reach, Scope
+from intermission.wire import scope_of_command_key
 
 ROOT = Path(__file__).resolve().parents[2]
 A = Scope(app="billing", tenant="acme")
@@ -32,7 +33,12 @@ B = Scope(app="billing", tenant="globex")
 
 def letter(routing_key: str) -> DeadLetter:
     return DeadLetter(
-        message_id="m", routing_key=routing_key, code="forbidden", detail="", size=2, scope=key_scope(routing_key)
+        message_id="m",
+        routing_key=routing_key,
+        code="forbidden",
+        detail="",
+        size=2,
+        scope=scope_of_command_key(routing_key),
     )
 
 
