@@ -30,7 +30,7 @@ from intermission.publishers.amqp import with_credentials
 from intermission.schemas.errors import InvalidArgument
 from intermission.schemas.scope import Scope
 from intermission.wire import EVENTS_EXCHANGE, declare
-from tests.support.amqp import ConnectionFactory, Vhost
+from tests.support.amqp import AmqpUser, ConnectionFactory, Vhost
 from tests.support.confined import Confiner, Management
 from tests.support.waiting import eventually
 
@@ -245,3 +245,161 @@ async def test_users_add_reads_the_password_from_stdin(
     )
     assert refused.exit_code == 2
     assert "no dots" in refused.output
+
+
+async def connection_to_close(
+    confiner: Confiner, vhost: Vhost, user: AmqpUser
+) -> tuple[aio_pika.abc.AbstractConnection, asyncio.Event]:
+    """A connection of ``user``, listed by the management API (its statistics lag: a grant finds only the
+    connections listed), and the event set when the broker closes it."""
+    connection = await aio_pika.connect(vhost.url(user))
+    closed = asyncio.Event()
+    connection.close_callbacks.add(lambda *_: closed.set())
+
+    async def listed() -> bool:
+        return bool(await confiner.connections_of(user.name))
+
+    await eventually(listed, within=WAIT, what=f"{user.name}'s connection listed")
+    return connection, closed
+
+
+async def test_a_trusted_user_whose_confinement_fails_halfway_is_left_with_no_access(
+    confiner: Confiner, management: Management, amqp_vhost: Vhost, scope: Scope
+) -> None:
+    user = await confiner.add_user("demoted-halfway")
+    grants = management.grants(amqp_vhost.name)
+    try:
+        await grants.trust(user.name)
+    finally:
+        await grants.close()
+    _, closed = await connection_to_close(confiner, amqp_vhost, user)
+    transport = FailingOn("PUT", r"^/api/permissions/")  # the confined rights, written last
+    failing = BrokerGrants(
+        httpx.AsyncClient(
+            base_url=management.url, auth=(management.user, management.password), transport=transport, timeout=10.0
+        ),
+        amqp_vhost.name,
+    )
+    try:
+        with pytest.raises(httpx.ConnectError):
+            await failing.grant(user.name, scope)
+    finally:
+        await failing.close()
+    assert transport.failed
+    # Not trusted any more (the old code kept its `.*` rights when the last write failed), and its
+    # connection, which held the trusted rights, is closed.
+    assert await rights_of(management, amqp_vhost, user.name) == (
+        False,
+        {"intermission.commands", "intermission.events"},
+    )
+    await asyncio.wait_for(closed.wait(), WAIT)
+    with pytest.raises((aiormq.exceptions.AMQPError, ConnectionError)):
+        await aio_pika.connect(amqp_vhost.url(user))
+
+
+async def test_the_grant_command_says_it_confined_a_trusted_user_and_closes_its_connections(
+    confiner: Confiner, management: Management, amqp_vhost: Vhost, scope: Scope, database_url: str
+) -> None:
+    from tests.integration.test_operator_cli import env_of
+
+    user = await confiner.add_user("demoted-cli")
+    grants = management.grants(amqp_vhost.name)
+    try:
+        await grants.trust(user.name)
+    finally:
+        await grants.close()
+    _, closed = await connection_to_close(confiner, amqp_vhost, user)
+    result = await asyncio.to_thread(
+        CliRunner().invoke,
+        main,
+        ["grant", user.name, "--app", scope.app, "--tenant", scope.tenant],
+        env=env_of(database_url, amqp_vhost.url()),
+    )
+    assert result.exit_code == 0, result.output
+    assert f"{user.name} was trusted with every scope: it is confined now" in result.output
+    assert "1 open connection(s) were closed" in result.output
+    await asyncio.wait_for(closed.wait(), WAIT)
+    assert await rights_of(management, amqp_vhost, user.name) == (
+        True,
+        {"intermission.commands", "intermission.events"},
+    )
+
+
+async def test_the_grant_command_refuses_the_fleet_s_own_identities(
+    confiner: Confiner, management: Management, amqp_vhost: Vhost, scope: Scope, database_url: str
+) -> None:
+    from tests.integration.test_operator_cli import env_of
+
+    bus = await confiner.add_user("bus")
+    grants = management.grants(amqp_vhost.name)
+    try:
+        await grants.trust(bus.name)
+        env = {**env_of(database_url, amqp_vhost.url()), "INTERMISSION_BUS_USER": bus.name}
+        for who in (bus.name, management.user):
+            result = await asyncio.to_thread(
+                CliRunner().invoke, main, ["grant", who, "--app", scope.app, "--tenant", scope.tenant], env=env
+            )
+            assert result.exit_code == 2, result.output
+            assert "the fleet's own identities" in result.output
+        assert (await grants.reach(bus.name)).every_scope
+    finally:
+        await grants.close()
+
+
+async def test_revoke_leaves_a_trusted_process_s_exclusive_server_named_queue_alone(
+    confiner: Confiner, management: Management, amqp_vhost: Vhost, amqp_connect: ConnectionFactory, scope: Scope
+) -> None:
+    admin = await amqp_connect(amqp_vhost.url(), "trusted subscriber")
+    admin_channel = await admin.channel(publisher_confirms=True)
+    await declare(admin_channel, delivery_limit=10)
+    host = await confiner.confined(scope, prefix="revoked")
+    # A trusted process's live subscription to the scope, on a queue the broker named (aio-pika would
+    # name it itself: the protocol's own queue.declare with no name).
+    raw = await admin_channel.get_underlay_channel()
+    name = str((await raw.queue_declare("", exclusive=True)).queue)
+    assert name.startswith("amq.gen-")
+    key = f"run.completed.{scope.routing_suffix()}"
+    await raw.queue_bind(name, EVENTS_EXCHANGE, routing_key=key)
+    queue = await admin_channel.declare_queue(name, passive=True)
+
+    grants = management.grants(amqp_vhost.name)
+    try:
+        assert await grants.revoke(host.name, scope) == []
+    finally:
+        await grants.close()
+
+    assert await confiner.event_bindings(name) == [key]
+    events = await admin_channel.get_exchange(EVENTS_EXCHANGE)
+    await events.publish(aio_pika.Message(b"{}", message_id="kept"), routing_key=key)
+    received = await queue.get(no_ack=True, fail=False, timeout=WAIT)
+    assert received is not None
+    assert received.message_id == "kept"
+
+
+async def test_a_host_cannot_read_the_queues_of_a_host_whose_name_starts_with_its_own(
+    confiner: Confiner, amqp_vhost: Vhost, amqp_connect: ConnectionFactory, scope: Scope
+) -> None:
+    # `acme` and `acme.eu` were both valid names, and acme's `acme\..*` held acme.eu's queues; dots are
+    # refused now (test_user_names_the_patterns_cannot_hold_are_refused_before_anything_is_written), and
+    # the nearest names left, `acme` and `acme-eu`, have disjoint queues.
+    admin = await amqp_connect(amqp_vhost.url(), "admin")
+    await declare(await admin.channel(), delivery_limit=10)
+    acme = await confiner.confined(scope, prefix="acme")
+    acme_eu = AmqpUser(f"{acme.name}-eu", uuid.uuid4().hex)
+    (
+        await confiner.http.put(f"/api/users/{acme_eu.name}", json={"password": acme_eu.password, "tags": ""})
+    ).raise_for_status()
+    confiner.made.append(acme_eu.name)
+    grants = confiner.management.grants(amqp_vhost.name)
+    try:
+        await grants.grant(acme_eu.name, scope)
+    finally:
+        await grants.close()
+    eu_channel = await (await amqp_connect(amqp_vhost.url(acme_eu), "acme-eu")).channel()
+    eu_queue = f"{acme_eu.name}.events"
+    await eu_channel.declare_queue(eu_queue, durable=True)
+    acme_raw = await (await (await amqp_connect(amqp_vhost.url(acme), "acme")).channel()).get_underlay_channel()
+    own = await acme_raw.queue_declare(f"{acme.name}.events", durable=True)  # a positive control
+    assert own.queue == f"{acme.name}.events"
+    with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
+        await acme_raw.basic_get(eu_queue)
