@@ -154,16 +154,46 @@ async def test_revoke_removes_the_scope_from_a_server_named_queue_a_host_declare
         await reader.basic_get(name)
 
 
-@pytest.mark.parametrize("name", ["acme.eu", "intermission", "amq", "INTERMISSION", "a b", "", "x" * 129])
+@pytest.mark.parametrize(
+    ("name", "refusal"),
+    [
+        ("intermission", "is reserved"),
+        ("amq", "is reserved"),
+        ("INTERMISSION", "is reserved"),
+        ("a b", "cannot be confined"),
+        ("", "cannot be confined"),
+        ("x" * 129, "cannot be confined"),
+    ],
+)
 async def test_user_names_the_patterns_cannot_hold_are_refused_before_anything_is_written(
-    name: str, management: Management, amqp_vhost: Vhost, scope: Scope
+    name: str, refusal: str, management: Management, amqp_vhost: Vhost, scope: Scope
 ) -> None:
     grants = management.grants(amqp_vhost.name)
     try:
-        with pytest.raises(InvalidArgument):
+        # The refusal of the name itself, not the ManagementError of a user that does not exist.
+        with pytest.raises(InvalidArgument, match=refusal):
             await grants.grant(name, scope)
     finally:
         await grants.close()
+
+
+async def test_an_existing_user_with_a_dot_in_its_name_is_never_confined(
+    confiner: Confiner, management: Management, amqp_vhost: Vhost, scope: Scope
+) -> None:
+    # `acme`'s queues, `acme\..*`, would hold those of `acme.eu`: such a user is refused, nothing written.
+    acme = await confiner.confined(scope, prefix="acme")
+    dotted = f"{acme.name}.eu"
+    (
+        await confiner.http.put(f"/api/users/{dotted}", json={"password": uuid.uuid4().hex, "tags": ""})
+    ).raise_for_status()
+    confiner.made.append(dotted)
+    grants = management.grants(amqp_vhost.name)
+    try:
+        with pytest.raises(InvalidArgument, match="no dots"):
+            await grants.grant(dotted, scope)
+    finally:
+        await grants.close()
+    assert await rights_of(management, amqp_vhost, dotted) == (False, set())
 
 
 async def test_the_placeholder_scope_of_unreadable_refusals_is_never_granted(
