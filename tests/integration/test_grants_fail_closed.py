@@ -433,3 +433,18 @@ async def test_a_host_cannot_read_the_queues_of_a_host_whose_name_starts_with_it
     assert own.queue == f"{acme.name}.events"
     with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
         await acme_raw.basic_get(eu_queue)
+
+
+@pytest.mark.parametrize("command", [["doctor"], ["grants"], ["grant", "someone", "--app", "acme", "--tenant", "t1"]])
+async def test_a_management_url_with_credentials_is_never_printed_with_its_password(
+    command: list[str], database_url: str, amqp_url: str
+) -> None:
+    from tests.integration.test_operator_cli import env_of
+    from tests.support.metrics import free_port
+
+    secret = uuid.uuid4().hex
+    unreachable = f"http://admin:{secret}@127.0.0.1:{free_port()}"
+    result = await asyncio.to_thread(CliRunner().invoke, main, command, env=env_of(database_url, amqp_url, unreachable))
+    assert result.exit_code == 2, result.output
+    assert "admin:***@127.0.0.1" in result.output
+    assert secret not in result.output
