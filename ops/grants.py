@@ -376,7 +376,27 @@ class BrokerGrants:
         return bool(response.json().get("exclusive", False))
 
     async def disconnect(self, user: str, *, reason: str) -> int:
-        """Close every connection ``user`` has open to this vhost; returns how many there were."""
+        """Close every connection ``user`` has open to this vhost; returns how many there were. They are
+        found and closed through the broker's connection tracking (``/api/connections/username/``), which
+        knows a connection as soon as it is open, not through the statistics (``/api/vhosts/.../connections``
+        and ``DELETE /api/connections/NAME``), which know it only seconds later: a connection opened just
+        before a narrowing would otherwise keep the rights it lost. The tracking endpoint closes the user's
+        connections to every vhost: they reconnect, under the same rights elsewhere."""
+        tracked = self._path("connections", "username", user)
+        response = await self._client.get(tracked)
+        if response.status_code in (404, 405):  # a broker older than the tracking endpoint
+            return await self._disconnect_listed(user, reason=reason)
+        if response.status_code >= 400:
+            raise ManagementError(f"listing {user}'s connections: {response.status_code} {response.text[:300]}")
+        here = [c for c in response.json() if c.get("user") == user and c.get("vhost") == self.vhost]
+        if here:
+            closed = await self._client.delete(tracked, headers={"X-Reason": reason})
+            if closed.status_code >= 400 and closed.status_code != 404:
+                raise ManagementError(f"closing {user}'s connections: {closed.status_code} {closed.text[:300]}")
+        return len(here)
+
+    async def _disconnect_listed(self, user: str, *, reason: str) -> int:
+        """``disconnect`` through the statistics, for brokers without connection tracking endpoints."""
         response = await self._request("GET", self._path("vhosts", self.vhost, "connections"))
         names = [str(c["name"]) for c in response.json() if c.get("user") == user and "name" in c]
         for name in names:

@@ -448,3 +448,25 @@ async def test_a_management_url_with_credentials_is_never_printed_with_its_passw
     assert result.exit_code == 2, result.output
     assert "admin:***@127.0.0.1" in result.output
     assert secret not in result.output
+
+
+async def test_a_narrowing_closes_a_connection_opened_an_instant_before(
+    confiner: Confiner, management: Management, amqp_vhost: Vhost, scope: Scope, other_scope: Scope
+) -> None:
+    # The management API's statistics list a connection only seconds after it opens; a revocation that
+    # looked there left a connection opened just before it with the rights it lost (cached per channel).
+    host = await confiner.confined(scope, other_scope, prefix="fresh")
+    trusted = await confiner.add_user("fresh-trusted")
+    grants = management.grants(amqp_vhost.name)
+    try:
+        await grants.trust(trusted.name)
+        closed = {who.name: asyncio.Event() for who in (host, trusted)}
+        connections = [await aio_pika.connect(amqp_vhost.url(who)) for who in (host, trusted)]
+        for who, connection in zip((host, trusted), connections, strict=True):
+            connection.close_callbacks.add(lambda *_, event=closed[who.name]: event.set())
+        assert await grants.revoke(host.name, other_scope) == [scope]
+        assert (await grants.grant_scope(trusted.name, scope)).connections_closed == 1
+    finally:
+        await grants.close()
+    for event in closed.values():
+        await asyncio.wait_for(event.wait(), WAIT)
