@@ -196,10 +196,12 @@ def rabbitmqctl_lines(user: str, scopes: list[Scope], vhost: str) -> list[str]:
     p = host_permissions(user, scopes)
     q = shlex.quote
     who = f"-p {q(vhost)} {q(user)}"
+    # In the order set_scopes writes them, for the same reason: an operator whose last line fails is left
+    # with a user the topic permissions confine and no vhost access, never the reverse.
     return [
-        f"rabbitmqctl set_permissions {who} {q(p.configure)} {q(p.write)} {q(p.read)}",
         f"rabbitmqctl set_topic_permissions {who} {COMMANDS_EXCHANGE} {q(p.commands_write)} {q(NOTHING)}",
         f"rabbitmqctl set_topic_permissions {who} {EVENTS_EXCHANGE} {q(NOTHING)} {q(p.events_read)}",
+        f"rabbitmqctl set_permissions {who} {q(p.configure)} {q(p.write)} {q(p.read)}",
     ]
 
 
