@@ -146,6 +146,12 @@ def revoke_command(user: str, app: str, tenant: str) -> None:
     """Take one scope away from the RabbitMQ user USER; with none left it may do nothing at all."""
     scope = _required_scope(app, tenant)
     settings = load_settings()
+    try:
+        # A trusted user has no scope list to take one from: revoking would take everything, and the
+        # fleet's own identities would stop the fleet.
+        check_not_fleet(user, fleet_identities(settings))
+    except InvalidArgument as exc:
+        raise click.BadParameter(exc.detail, param_hint="USER") from exc
 
     async def run() -> None:
         _print_scopes(user, await _with_grants(settings, lambda g: g.revoke(user, scope)))

@@ -365,12 +365,13 @@ async def test_the_grant_command_refuses_the_fleet_s_own_identities(
     try:
         await grants.trust(bus.name)
         env = {**env_of(database_url, amqp_vhost.url()), "INTERMISSION_BUS_USER": bus.name}
-        for who in (bus.name, management.user):
-            result = await asyncio.to_thread(
-                CliRunner().invoke, main, ["grant", who, "--app", scope.app, "--tenant", scope.tenant], env=env
-            )
-            assert result.exit_code == 2, result.output
-            assert "the fleet's own identities" in result.output
+        for command in ("grant", "revoke"):
+            for who in (bus.name, management.user):
+                result = await asyncio.to_thread(
+                    CliRunner().invoke, main, [command, who, "--app", scope.app, "--tenant", scope.tenant], env=env
+                )
+                assert result.exit_code == 2, result.output
+                assert "the fleet's own identities" in result.output
         assert (await grants.reach(bus.name)).every_scope
     finally:
         await grants.close()
