@@ -3,13 +3,15 @@ developer's machine. A bad setting stops the process at start with a message nam
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from intermission.publishers.amqp import AmqpUrlError, amqp_nodes
+from intermission.publishers.amqp import AmqpUrlError, amqp_nodes, safe_url
 from intermission.schemas.limits import MAX_PAUSE_TTL_SECONDS
 
 
@@ -19,6 +21,9 @@ class ManagementAccess:
     user: str
     password: str
     vhost: str
+
+
+_URLS = frozenset({"database_url", "amqp_url", "management_url"})
 
 
 class Settings(BaseSettings):
@@ -168,6 +173,12 @@ class Settings(BaseSettings):
     # Requests in flight at once, and live-update streams open at once, past which the console answers 503.
     console_max_requests: int = Field(default=64, ge=1, le=10_000)
     console_max_streams: int = Field(default=512, ge=1, le=100_000)
+
+    def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
+        # The URLs may carry passwords: a repr (a traceback's locals, a test's failure report, a debug log)
+        # shows them masked, as the logs do.
+        for name, value in super().__repr_args__():
+            yield name, safe_url(value) if name in _URLS and isinstance(value, str) else value
 
     def management(self) -> ManagementAccess:
         """Where and as whom the grant commands reach the management API, and for which vhost."""

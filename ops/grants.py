@@ -32,15 +32,19 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Final
-from urllib.parse import quote
+from typing import TYPE_CHECKING, Final
+from urllib.parse import quote, unquote, urlsplit
 
 import httpx
 
 from intermission.schemas.errors import InvalidArgument
 from intermission.schemas.scope import Reach, Scope
 from intermission.wire import COMMANDS_EXCHANGE, EVENTS_EXCHANGE, UNREADABLE_SCOPE
+
+if TYPE_CHECKING:
+    from intermission.fleet.settings import Settings
 
 # A user name the patterns can hold: what a scope part may be, so that ``<user>\.`` is never a prefix of
 # another user's namespace.
@@ -60,6 +64,16 @@ class ManagementError(InvalidArgument):
     """The management API refused a request, or a user's permissions are not ones ``grant`` made."""
 
     code = "management_error"
+
+
+@dataclass(frozen=True)
+class Granted:
+    """What a grant did: the user's scopes now, and whether it was trusted with every scope before (it is
+    then confined, and its connections were closed)."""
+
+    scopes: list[Scope]
+    was_trusted: bool
+    connections_closed: int
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,23 @@ def check_user_name(user: str) -> None:
         )
     if user.lower() in RESERVED_USER_NAMES:
         raise InvalidArgument(f"the user name {user!r} is reserved: its queues would be the broker's or the fleet's")
+
+
+def fleet_identities(settings: Settings) -> frozenset[str]:
+    """The users a deployment's settings name as the fleet's own: the bus, the AMQP URL's user (the
+    workers' and the operators') and the management API's."""
+    access = settings.management()
+    return frozenset({settings.bus_user, unquote(urlsplit(settings.amqp_url).username or "guest"), access.user})
+
+
+def check_not_fleet(user: str, fleet: Collection[str]) -> None:
+    """InvalidArgument when ``user`` is one of the fleet's own identities: confined to a scope, the bus would
+    stop answering other tenants' pauses and a worker would stop consuming."""
+    if user in fleet:
+        raise InvalidArgument(
+            f"the user {user!r} is one of the fleet's own identities (bus, workers, management): it keeps every "
+            "scope; a host needs a user of its own"
+        )
 
 
 def check_grantable(scope: Scope) -> None:
@@ -165,10 +196,12 @@ def rabbitmqctl_lines(user: str, scopes: list[Scope], vhost: str) -> list[str]:
     p = host_permissions(user, scopes)
     q = shlex.quote
     who = f"-p {q(vhost)} {q(user)}"
+    # In the order set_scopes writes them, for the same reason: an operator whose last line fails is left
+    # with a user the topic permissions confine and no vhost access, never the reverse.
     return [
-        f"rabbitmqctl set_permissions {who} {q(p.configure)} {q(p.write)} {q(p.read)}",
         f"rabbitmqctl set_topic_permissions {who} {COMMANDS_EXCHANGE} {q(p.commands_write)} {q(NOTHING)}",
         f"rabbitmqctl set_topic_permissions {who} {EVENTS_EXCHANGE} {q(NOTHING)} {q(p.events_read)}",
+        f"rabbitmqctl set_permissions {who} {q(p.configure)} {q(p.write)} {q(p.read)}",
     ]
 
 
@@ -266,20 +299,29 @@ class BrokerGrants:
         )
 
     async def grant(self, user: str, scope: Scope) -> list[Scope]:
-        """Add ``scope`` to what ``user`` may act for; returns its scopes now. A user trusted with every scope
-        until now is narrowed to this one: its open connections are closed, so that none goes on with the
-        rights it lost."""
+        """Add ``scope`` to what ``user`` may act for; returns its scopes now (``grant_scope`` says more)."""
+        return (await self.grant_scope(user, scope)).scopes
+
+    async def grant_scope(self, user: str, scope: Scope) -> Granted:
+        """Add ``scope`` to what ``user`` may act for. A user trusted with every scope until now is narrowed
+        to this one, failing closed: its trusted rights are taken first and its open connections closed
+        (RabbitMQ caches permission checks per connection), then the confined rights are written, so that a
+        failure on the way leaves it with no access rather than with every right it had."""
         check_user_name(user)
         check_grantable(scope)
         await self._require_user(user)
         was_trusted = (await self.reach(user)).every_scope
-        scopes = await self.scopes(user)
-        if scope not in scopes:
-            scopes.append(scope)
-        await self.set_scopes(user, scopes)
+        closed = 0
         if was_trusted:
-            await self.disconnect(user, reason=f"intermission grant: confined to {', '.join(map(str, scopes))}")
-        return scopes
+            await self._request("DELETE", self._path("permissions", self.vhost, user))
+            closed = await self.disconnect(user, reason=f"intermission grant: confined to {scope}")
+            scopes = [scope]
+        else:
+            scopes = await self.scopes(user)
+            if scope not in scopes:
+                scopes.append(scope)
+        await self.set_scopes(user, scopes)
+        return Granted(scopes=scopes, was_trusted=was_trusted, connections_closed=closed)
 
     async def revoke(self, user: str, scope: Scope) -> list[Scope]:
         """Take ``scope`` away from ``user``; returns its scopes now. The user's open connections to this
@@ -302,18 +344,22 @@ class BrokerGrants:
         )
         suffix = f".{scope.routing_suffix()}"
         # Every queue the user may read: its own, and (granted before server-named queues were taken out of
-        # a host's permissions) any amq.gen-* queue, whose declaring user the broker does not record. Once
-        # the permissions are rewritten the user may no longer read amq.gen-* queues at all; their bindings
-        # of the revoked scope are removed here too, so that such a queue never again holds that scope's
-        # events for whoever reads it next.
-        readable = re.compile(rf"^(?:{own_queues(user)}|amq\.gen-.*)$")
-        doomed = [
-            b
-            for b in response.json()
-            if b.get("destination_type") == "queue"
-            and readable.match(str(b.get("destination", "")))
-            and str(b.get("routing_key", "")).endswith(suffix)
-        ]
+        # a host's permissions) any durable amq.gen-* queue, whose declaring user the broker does not record.
+        # Once the permissions are rewritten the user may no longer read amq.gen-* queues at all; their
+        # bindings of the revoked scope are removed here too, so that such a queue never again holds that
+        # scope's events for whoever reads it next. An exclusive amq.gen-* queue is left alone: it lives
+        # and dies with its connection (the revoked user's were closed just before, taking theirs with
+        # them), so one still there belongs to someone else, a trusted process's live subscription.
+        own = re.compile(rf"^(?:{own_queues(user)})$")
+        doomed = []
+        for b in response.json():
+            destination = str(b.get("destination", ""))
+            if b.get("destination_type") != "queue" or not str(b.get("routing_key", "")).endswith(suffix):
+                continue
+            if own.match(destination) or (
+                destination.startswith("amq.gen-") and not await self._exclusive(destination)
+            ):
+                doomed.append(b)
         for b in doomed:
             path = self._path(
                 "bindings", self.vhost, "e", EVENTS_EXCHANGE, "q", str(b["destination"]), str(b["properties_key"])
@@ -321,8 +367,38 @@ class BrokerGrants:
             await self._request("DELETE", path)
         return len(doomed)
 
+    async def _exclusive(self, queue: str) -> bool:
+        """Whether ``queue`` is exclusive to a connection (a queue gone meanwhile counts as exclusive: there
+        is nothing left to unbind)."""
+        response = await self._client.get(self._path("queues", self.vhost, queue))
+        if response.status_code == 404:
+            return True
+        if response.status_code >= 400:
+            raise ManagementError(f"reading queue {queue}: {response.status_code} {response.text[:300]}")
+        return bool(response.json().get("exclusive", False))
+
     async def disconnect(self, user: str, *, reason: str) -> int:
-        """Close every connection ``user`` has open to this vhost; returns how many there were."""
+        """Close every connection ``user`` has open to this vhost; returns how many there were. They are
+        found and closed through the broker's connection tracking (``/api/connections/username/``), which
+        knows a connection as soon as it is open, not through the statistics (``/api/vhosts/.../connections``
+        and ``DELETE /api/connections/NAME``), which know it only seconds later: a connection opened just
+        before a narrowing would otherwise keep the rights it lost. The tracking endpoint closes the user's
+        connections to every vhost: they reconnect, under the same rights elsewhere."""
+        tracked = self._path("connections", "username", user)
+        response = await self._client.get(tracked)
+        if response.status_code in (404, 405):  # a broker older than the tracking endpoint
+            return await self._disconnect_listed(user, reason=reason)
+        if response.status_code >= 400:
+            raise ManagementError(f"listing {user}'s connections: {response.status_code} {response.text[:300]}")
+        here = [c for c in response.json() if c.get("user") == user and c.get("vhost") == self.vhost]
+        if here:
+            closed = await self._client.delete(tracked, headers={"X-Reason": reason})
+            if closed.status_code >= 400 and closed.status_code != 404:
+                raise ManagementError(f"closing {user}'s connections: {closed.status_code} {closed.text[:300]}")
+        return len(here)
+
+    async def _disconnect_listed(self, user: str, *, reason: str) -> int:
+        """``disconnect`` through the statistics, for brokers without connection tracking endpoints."""
         response = await self._request("GET", self._path("vhosts", self.vhost, "connections"))
         names = [str(c["name"]) for c in response.json() if c.get("user") == user and "name" in c]
         for name in names:

@@ -11,7 +11,14 @@ import click
 
 from intermission.fleet.settings import Settings
 from intermission.ops.cli.app import emit_json, json_option, load_settings, main, run_or_exit, scope_of
-from intermission.ops.grants import BrokerGrants, check_user_name, rabbitmqctl_lines
+from intermission.ops.grants import (
+    BrokerGrants,
+    check_grantable,
+    check_not_fleet,
+    check_user_name,
+    fleet_identities,
+    rabbitmqctl_lines,
+)
 from intermission.schemas.errors import InvalidArgument
 from intermission.schemas.scope import Scope
 
@@ -104,16 +111,29 @@ def _password(from_stdin: bool, path: str | None, given: str | None) -> str:
 @click.option("--tenant", required=True)
 @click.option("--print", "print_only", is_flag=True, help="print the rabbitmqctl commands instead of applying them")
 def grant_command(user: str, app: str, tenant: str, print_only: bool) -> None:
-    """Let the RabbitMQ user USER act as a host for one more scope, and for nothing else."""
+    """Let the RabbitMQ user USER act as a host for one more scope, and for nothing else. A user trusted with
+    every scope until now is confined to this one, and its connections are closed."""
     scope = _required_scope(app, tenant)
     settings = load_settings()
+    try:
+        check_user_name(user)
+        check_not_fleet(user, fleet_identities(settings))
+        check_grantable(scope)
+    except InvalidArgument as exc:
+        raise click.BadParameter(exc.detail, param_hint="USER or --app/--tenant") from exc
     if print_only:
         for line in rabbitmqctl_lines(user, [scope], settings.management().vhost):
             click.echo(line)
         return
 
     async def run() -> None:
-        _print_scopes(user, await _with_grants(settings, lambda g: g.grant(user, scope)))
+        granted = await _with_grants(settings, lambda g: g.grant_scope(user, scope))
+        if granted.was_trusted:
+            click.echo(
+                f"{user} was trusted with every scope: it is confined now, and its {granted.connections_closed} "
+                "open connection(s) were closed"
+            )
+        _print_scopes(user, granted.scopes)
 
     run_or_exit("grant", run(), settings)
 
@@ -126,6 +146,12 @@ def revoke_command(user: str, app: str, tenant: str) -> None:
     """Take one scope away from the RabbitMQ user USER; with none left it may do nothing at all."""
     scope = _required_scope(app, tenant)
     settings = load_settings()
+    try:
+        # A trusted user has no scope list to take one from: revoking would take everything, and the
+        # fleet's own identities would stop the fleet.
+        check_not_fleet(user, fleet_identities(settings))
+    except InvalidArgument as exc:
+        raise click.BadParameter(exc.detail, param_hint="USER") from exc
 
     async def run() -> None:
         _print_scopes(user, await _with_grants(settings, lambda g: g.revoke(user, scope)))

@@ -63,7 +63,7 @@ async def examine(settings: Settings, thresholds: Thresholds) -> Findings:
     except ServerDown as exc:
         checks.append(unreachable("dead_letters", RABBITMQ, amqp, exc.reason))
     access = settings.management()
-    checks += await guarded(["consumers"], MANAGEMENT_API, access.url, lambda: _one(doctor.consumers(access)))
+    checks += await guarded(["consumers"], MANAGEMENT_API, safe_url(access.url), lambda: _one(doctor.consumers(access)))
     return Findings(checks)
 
 

@@ -182,3 +182,29 @@ async def test_without_the_management_api_the_demo_acts_as_the_amqp_urls_own_use
     async with management.client() as http:
         for name in (demo_users.host, demo_users.bus):
             assert (await http.get(f"/api/users/{quote(name, safe='')}")).status_code == 404
+
+
+async def test_a_demo_that_fails_leaves_no_user_behind(
+    stores: Stores,
+    database_url: str,
+    amqp_url: str,
+    management: Management,
+    demo_users: DemoUsers,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started_as: list[str] = []
+
+    def no_worker(settings: Settings) -> Any:
+        started_as.append(settings.bus_user)
+        raise RuntimeError("the worker would not start")
+
+    monkeypatch.setattr("intermission.ops.demo.running_worker", no_worker)
+    story: list[str] = []
+    with pytest.raises(RuntimeError, match="would not start"):
+        await play(demo_settings(database_url, amqp_url, management), story.append, demo_users)
+    # The users were made (the worker was to take replies from the demo's own bus), and are gone: above all
+    # the bus, trusted with every scope.
+    assert started_as == [demo_users.bus]
+    async with management.client() as http:
+        for user in (demo_users.host, demo_users.bus):
+            assert (await http.get(f"/api/users/{quote(user, safe='')}")).status_code == 404

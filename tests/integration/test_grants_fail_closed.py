@@ -30,7 +30,7 @@ from intermission.publishers.amqp import with_credentials
 from intermission.schemas.errors import InvalidArgument
 from intermission.schemas.scope import Scope
 from intermission.wire import EVENTS_EXCHANGE, declare
-from tests.support.amqp import ConnectionFactory, Vhost
+from tests.support.amqp import AmqpUser, ConnectionFactory, Vhost
 from tests.support.confined import Confiner, Management
 from tests.support.waiting import eventually
 
@@ -154,16 +154,46 @@ async def test_revoke_removes_the_scope_from_a_server_named_queue_a_host_declare
         await reader.basic_get(name)
 
 
-@pytest.mark.parametrize("name", ["acme.eu", "intermission", "amq", "INTERMISSION", "a b", "", "x" * 129])
+@pytest.mark.parametrize(
+    ("name", "refusal"),
+    [
+        ("intermission", "is reserved"),
+        ("amq", "is reserved"),
+        ("INTERMISSION", "is reserved"),
+        ("a b", "cannot be confined"),
+        ("", "cannot be confined"),
+        ("x" * 129, "cannot be confined"),
+    ],
+)
 async def test_user_names_the_patterns_cannot_hold_are_refused_before_anything_is_written(
-    name: str, management: Management, amqp_vhost: Vhost, scope: Scope
+    name: str, refusal: str, management: Management, amqp_vhost: Vhost, scope: Scope
 ) -> None:
     grants = management.grants(amqp_vhost.name)
     try:
-        with pytest.raises(InvalidArgument):
+        # The refusal of the name itself, not the ManagementError of a user that does not exist.
+        with pytest.raises(InvalidArgument, match=refusal):
             await grants.grant(name, scope)
     finally:
         await grants.close()
+
+
+async def test_an_existing_user_with_a_dot_in_its_name_is_never_confined(
+    confiner: Confiner, management: Management, amqp_vhost: Vhost, scope: Scope
+) -> None:
+    # `acme`'s queues, `acme\..*`, would hold those of `acme.eu`: such a user is refused, nothing written.
+    acme = await confiner.confined(scope, prefix="acme")
+    dotted = f"{acme.name}.eu"
+    (
+        await confiner.http.put(f"/api/users/{dotted}", json={"password": uuid.uuid4().hex, "tags": ""})
+    ).raise_for_status()
+    confiner.made.append(dotted)
+    grants = management.grants(amqp_vhost.name)
+    try:
+        with pytest.raises(InvalidArgument, match="no dots"):
+            await grants.grant(dotted, scope)
+    finally:
+        await grants.close()
+    assert await rights_of(management, amqp_vhost, dotted) == (False, set())
 
 
 async def test_the_placeholder_scope_of_unreadable_refusals_is_never_granted(
@@ -245,3 +275,199 @@ async def test_users_add_reads_the_password_from_stdin(
     )
     assert refused.exit_code == 2
     assert "no dots" in refused.output
+
+
+async def connection_to_close(
+    confiner: Confiner, vhost: Vhost, user: AmqpUser
+) -> tuple[aio_pika.abc.AbstractConnection, asyncio.Event]:
+    """A connection of ``user``, listed by the management API (its statistics lag: a grant finds only the
+    connections listed), and the event set when the broker closes it."""
+    connection = await aio_pika.connect(vhost.url(user))
+    closed = asyncio.Event()
+    connection.close_callbacks.add(lambda *_: closed.set())
+
+    async def listed() -> bool:
+        return bool(await confiner.connections_of(user.name))
+
+    await eventually(listed, within=WAIT, what=f"{user.name}'s connection listed")
+    return connection, closed
+
+
+async def test_a_trusted_user_whose_confinement_fails_halfway_is_left_with_no_access(
+    confiner: Confiner, management: Management, amqp_vhost: Vhost, scope: Scope
+) -> None:
+    user = await confiner.add_user("demoted-halfway")
+    grants = management.grants(amqp_vhost.name)
+    try:
+        await grants.trust(user.name)
+    finally:
+        await grants.close()
+    _, closed = await connection_to_close(confiner, amqp_vhost, user)
+    transport = FailingOn("PUT", r"^/api/permissions/")  # the confined rights, written last
+    failing = BrokerGrants(
+        httpx.AsyncClient(
+            base_url=management.url, auth=(management.user, management.password), transport=transport, timeout=10.0
+        ),
+        amqp_vhost.name,
+    )
+    try:
+        with pytest.raises(httpx.ConnectError):
+            await failing.grant(user.name, scope)
+    finally:
+        await failing.close()
+    assert transport.failed
+    # Not trusted any more (the old code kept its `.*` rights when the last write failed), and its
+    # connection, which held the trusted rights, is closed.
+    assert await rights_of(management, amqp_vhost, user.name) == (
+        False,
+        {"intermission.commands", "intermission.events"},
+    )
+    await asyncio.wait_for(closed.wait(), WAIT)
+    with pytest.raises((aiormq.exceptions.AMQPError, ConnectionError)):
+        await aio_pika.connect(amqp_vhost.url(user))
+
+
+async def test_the_grant_command_says_it_confined_a_trusted_user_and_closes_its_connections(
+    confiner: Confiner, management: Management, amqp_vhost: Vhost, scope: Scope, database_url: str
+) -> None:
+    from tests.integration.test_operator_cli import env_of
+
+    user = await confiner.add_user("demoted-cli")
+    grants = management.grants(amqp_vhost.name)
+    try:
+        await grants.trust(user.name)
+    finally:
+        await grants.close()
+    _, closed = await connection_to_close(confiner, amqp_vhost, user)
+    result = await asyncio.to_thread(
+        CliRunner().invoke,
+        main,
+        ["grant", user.name, "--app", scope.app, "--tenant", scope.tenant],
+        env=env_of(database_url, amqp_vhost.url()),
+    )
+    assert result.exit_code == 0, result.output
+    assert f"{user.name} was trusted with every scope: it is confined now" in result.output
+    assert "1 open connection(s) were closed" in result.output
+    await asyncio.wait_for(closed.wait(), WAIT)
+    assert await rights_of(management, amqp_vhost, user.name) == (
+        True,
+        {"intermission.commands", "intermission.events"},
+    )
+
+
+async def test_the_grant_command_refuses_the_fleet_s_own_identities(
+    confiner: Confiner, management: Management, amqp_vhost: Vhost, scope: Scope, database_url: str
+) -> None:
+    from tests.integration.test_operator_cli import env_of
+
+    bus = await confiner.add_user("bus")
+    grants = management.grants(amqp_vhost.name)
+    try:
+        await grants.trust(bus.name)
+        env = {**env_of(database_url, amqp_vhost.url()), "INTERMISSION_BUS_USER": bus.name}
+        for command in ("grant", "revoke"):
+            for who in (bus.name, management.user):
+                result = await asyncio.to_thread(
+                    CliRunner().invoke, main, [command, who, "--app", scope.app, "--tenant", scope.tenant], env=env
+                )
+                assert result.exit_code == 2, result.output
+                assert "the fleet's own identities" in result.output
+        assert (await grants.reach(bus.name)).every_scope
+    finally:
+        await grants.close()
+
+
+async def test_revoke_leaves_a_trusted_process_s_exclusive_server_named_queue_alone(
+    confiner: Confiner, management: Management, amqp_vhost: Vhost, amqp_connect: ConnectionFactory, scope: Scope
+) -> None:
+    admin = await amqp_connect(amqp_vhost.url(), "trusted subscriber")
+    admin_channel = await admin.channel(publisher_confirms=True)
+    await declare(admin_channel, delivery_limit=10)
+    host = await confiner.confined(scope, prefix="revoked")
+    # A trusted process's live subscription to the scope, on a queue the broker named (aio-pika would
+    # name it itself: the protocol's own queue.declare with no name).
+    raw = await admin_channel.get_underlay_channel()
+    name = str((await raw.queue_declare("", exclusive=True)).queue)
+    assert name.startswith("amq.gen-")
+    key = f"run.completed.{scope.routing_suffix()}"
+    await raw.queue_bind(name, EVENTS_EXCHANGE, routing_key=key)
+    queue = await admin_channel.declare_queue(name, passive=True)
+
+    grants = management.grants(amqp_vhost.name)
+    try:
+        assert await grants.revoke(host.name, scope) == []
+    finally:
+        await grants.close()
+
+    assert await confiner.event_bindings(name) == [key]
+    events = await admin_channel.get_exchange(EVENTS_EXCHANGE)
+    await events.publish(aio_pika.Message(b"{}", message_id="kept"), routing_key=key)
+    received = await queue.get(no_ack=True, fail=False, timeout=WAIT)
+    assert received is not None
+    assert received.message_id == "kept"
+
+
+async def test_a_host_cannot_read_the_queues_of_a_host_whose_name_starts_with_its_own(
+    confiner: Confiner, amqp_vhost: Vhost, amqp_connect: ConnectionFactory, scope: Scope
+) -> None:
+    # `acme` and `acme.eu` were both valid names, and acme's `acme\..*` held acme.eu's queues; dots are
+    # refused now (test_user_names_the_patterns_cannot_hold_are_refused_before_anything_is_written), and
+    # the nearest names left, `acme` and `acme-eu`, have disjoint queues.
+    admin = await amqp_connect(amqp_vhost.url(), "admin")
+    await declare(await admin.channel(), delivery_limit=10)
+    acme = await confiner.confined(scope, prefix="acme")
+    acme_eu = AmqpUser(f"{acme.name}-eu", uuid.uuid4().hex)
+    (
+        await confiner.http.put(f"/api/users/{acme_eu.name}", json={"password": acme_eu.password, "tags": ""})
+    ).raise_for_status()
+    confiner.made.append(acme_eu.name)
+    grants = confiner.management.grants(amqp_vhost.name)
+    try:
+        await grants.grant(acme_eu.name, scope)
+    finally:
+        await grants.close()
+    eu_channel = await (await amqp_connect(amqp_vhost.url(acme_eu), "acme-eu")).channel()
+    eu_queue = f"{acme_eu.name}.events"
+    await eu_channel.declare_queue(eu_queue, durable=True)
+    acme_raw = await (await (await amqp_connect(amqp_vhost.url(acme), "acme")).channel()).get_underlay_channel()
+    own = await acme_raw.queue_declare(f"{acme.name}.events", durable=True)  # a positive control
+    assert own.queue == f"{acme.name}.events"
+    with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
+        await acme_raw.basic_get(eu_queue)
+
+
+@pytest.mark.parametrize("command", [["doctor"], ["grants"], ["grant", "someone", "--app", "acme", "--tenant", "t1"]])
+async def test_a_management_url_with_credentials_is_never_printed_with_its_password(
+    command: list[str], database_url: str, amqp_url: str
+) -> None:
+    from tests.integration.test_operator_cli import env_of
+    from tests.support.metrics import free_port
+
+    secret = uuid.uuid4().hex
+    unreachable = f"http://admin:{secret}@127.0.0.1:{free_port()}"
+    result = await asyncio.to_thread(CliRunner().invoke, main, command, env=env_of(database_url, amqp_url, unreachable))
+    assert result.exit_code == 2, result.output
+    assert "admin:***@127.0.0.1" in result.output
+    assert secret not in result.output
+
+
+async def test_a_narrowing_closes_a_connection_opened_an_instant_before(
+    confiner: Confiner, management: Management, amqp_vhost: Vhost, scope: Scope, other_scope: Scope
+) -> None:
+    # The management API's statistics list a connection only seconds after it opens; a revocation that
+    # looked there left a connection opened just before it with the rights it lost (cached per channel).
+    host = await confiner.confined(scope, other_scope, prefix="fresh")
+    trusted = await confiner.add_user("fresh-trusted")
+    grants = management.grants(amqp_vhost.name)
+    try:
+        await grants.trust(trusted.name)
+        closed = {who.name: asyncio.Event() for who in (host, trusted)}
+        connections = [await aio_pika.connect(amqp_vhost.url(who)) for who in (host, trusted)]
+        for who, connection in zip((host, trusted), connections, strict=True):
+            connection.close_callbacks.add(lambda *_, event=closed[who.name]: event.set())
+        assert await grants.revoke(host.name, other_scope) == [scope]
+        assert (await grants.grant_scope(trusted.name, scope)).connections_closed == 1
+    finally:
+        await grants.close()
+    for event in closed.values():
+        await asyncio.wait_for(event.wait(), WAIT)
