@@ -20,11 +20,13 @@ from aio_pika.abc import AbstractRobustConnection, FieldValue
 
 from intermission.fleet.worker import Worker
 from intermission.ops.dead import dead_stats, list_dead
+from intermission.ops.doctor import Status, dead_letters
 from intermission.publishers.clients import HostClient
 from intermission.schemas.scope import Scope
 from intermission.wire import (
     COMMANDS_EXCHANGE,
     DEAD_EXCHANGE,
+    DEAD_QUEUE,
     ERROR_HEADER,
     EVENTS_EXCHANGE,
     SCHEMA_VERSION_HEADER,
@@ -37,6 +39,7 @@ from tests.support.amqp import CaptureFactory, ConnectionFactory, Vhost
 from tests.support.confined import Confiner
 from tests.support.hostile import allow_raw_fields, nested_array, nested_table
 from tests.support.inspect import Inspector
+from tests.support.waiting import eventually
 
 WAIT = 30.0
 
@@ -107,7 +110,8 @@ async def test_the_dead_letter_tools_read_a_queue_holding_a_nested_header(
     amqp_vhost: Vhost, amqp_connect: ConnectionFactory
 ) -> None:
     """Put straight into ``intermission.dead`` (as only a trusted identity can), a message with a header
-    nested 5,000 deep is listed, counted and aged; the connection that read it stays open."""
+    nested 5,000 deep is listed (``dead list``), counted and aged (``doctor``'s dead-letter check); the
+    connection that read it stays open."""
     allow_raw_fields()
     admin = await amqp_connect(amqp_vhost.url(), "admin")
     channel = await admin.channel(publisher_confirms=True)
@@ -121,11 +125,30 @@ async def test_the_dead_letter_tools_read_a_queue_holding_a_nested_header(
         letter = aio_pika.Message(b"{}", message_id=message_id, headers=headers, timestamp=datetime.now(UTC))
         await dead.publish(letter, routing_key=Command.CANCEL.value)
 
+    async def both_queued() -> bool:
+        """Both letters ready again: a reader's unacknowledged letters go back when its channel closes,
+        which a quorum queue applies a moment after the close."""
+        probe = await admin.channel()
+        try:
+            queue = await probe.declare_queue(DEAD_QUEUE, passive=True)
+            return queue.declaration_result.message_count == len(published)
+        finally:
+            await probe.close()
+
     reader = await amqp_connect(amqp_vhost.url(), "dead reader")
     closes = closes_of(reader)
+    await eventually(both_queued, within=WAIT, what="both letters queued")
     letters = await list_dead(reader)
     assert [letter.message_id for letter in letters] == ["deep-letter", "plain-letter"]
+    await eventually(both_queued, within=WAIT, what="both letters back after dead list")
     stats = await dead_stats(reader)
+    # The head of the queue, the letter dead_stats reads for its age, is the deep one.
     assert stats.depth == 2
     assert stats.oldest_seconds is not None
+    await eventually(both_queued, within=WAIT, what="both letters back after dead_stats")
+    check = await dead_letters(reader)
+    assert check.status is Status.WARN
+    assert check.details["depth"] == 2
+    assert check.details["oldest_seconds"] is not None
     assert closes == []
+    assert not reader.is_closed

@@ -4,6 +4,7 @@ trouble; what is malformed it refuses with pamqp's own ValueError."""
 
 from __future__ import annotations
 
+import importlib.util
 import struct
 import sys
 from datetime import UTC, datetime
@@ -20,6 +21,23 @@ from intermission.amqp_headers import MAX_HEADER_DEPTH, TOO_DEEP, field_table
 from tests.support.hostile import nested_array, nested_table
 
 amqp_headers.install()
+
+
+def pristine_pamqp_decode() -> Any:
+    """A copy of pamqp's decode module loaded apart from the one install() patched: its own type tables,
+    its own recursive field_table, exactly as pamqp ships it."""
+    spec = importlib.util.find_spec("pamqp.decode")
+    assert spec is not None
+    assert spec.origin is not None
+    copy = importlib.util.spec_from_file_location("pamqp_decode_as_shipped", spec.origin)
+    assert copy is not None
+    assert copy.loader is not None
+    module = importlib.util.module_from_spec(copy)
+    copy.loader.exec_module(module)
+    return module
+
+
+PAMQP_DECODE = pristine_pamqp_decode()
 
 scalars = st.one_of(
     st.none(),
@@ -47,6 +65,9 @@ def test_what_pamqp_encodes_decodes_to_the_same_headers(headers: dict[str, Any])
     consumed, decoded = field_table(data)
     assert consumed == len(data)
     assert decoded == headers
+    # And exactly what pamqp's own decoder, untouched, reads from the same bytes.
+    assert PAMQP_DECODE.field_table is not decode.field_table
+    assert (consumed, decoded) == PAMQP_DECODE.field_table(data)
 
 
 @pytest.mark.unit
