@@ -56,6 +56,14 @@ class FailingOn(httpx.AsyncBaseTransport):
         await self._real.aclose()
 
 
+def through(transport: FailingOn, management: Management, vhost: Vhost) -> BrokerGrants:
+    """The product's grants over the real management API, behind ``transport``."""
+    client = httpx.AsyncClient(
+        base_url=management.url, auth=(management.user, management.password), transport=transport, timeout=10.0
+    )
+    return BrokerGrants(client, vhost.name)
+
+
 async def rights_of(management: Management, vhost: Vhost, user: str) -> tuple[bool, set[str]]:
     """Whether ``user`` holds vhost permissions, and the exchanges it holds topic permissions on."""
     async with management.client() as http:
@@ -77,12 +85,7 @@ async def test_a_grant_that_fails_halfway_leaves_the_user_without_access(
 ) -> None:
     user = await confiner.add_user("halfway")
     transport = FailingOn(*failing)
-    grants = BrokerGrants(
-        httpx.AsyncClient(
-            base_url=management.url, auth=(management.user, management.password), transport=transport, timeout=10.0
-        ),
-        amqp_vhost.name,
-    )
+    grants = through(transport, management, amqp_vhost)
     try:
         with pytest.raises(httpx.ConnectError):
             await grants.grant(user.name, scope)
@@ -304,12 +307,7 @@ async def test_a_trusted_user_whose_confinement_fails_halfway_is_left_with_no_ac
         await grants.close()
     _, closed = await connection_to_close(confiner, amqp_vhost, user)
     transport = FailingOn("PUT", r"^/api/permissions/")  # the confined rights, written last
-    failing = BrokerGrants(
-        httpx.AsyncClient(
-            base_url=management.url, auth=(management.user, management.password), transport=transport, timeout=10.0
-        ),
-        amqp_vhost.name,
-    )
+    failing = through(transport, management, amqp_vhost)
     try:
         with pytest.raises(httpx.ConnectError):
             await failing.grant(user.name, scope)
