@@ -45,7 +45,7 @@ MAX_SHORT_STRING_BYTES: Final = 255
 # headers to the sender's, and must still fit (intermission/wire.py).
 MAX_HEADERS: Final = 64
 MAX_HEADER_VALUES: Final = 1024
-MAX_HEADER_BYTES: Final = 16 * 1024
+MAX_COMMAND_HEADER_BYTES: Final = 16 * 1024
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_A_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
@@ -66,7 +66,7 @@ class Delivery:
 
 def check_headers(headers: dict[str, Any]) -> None:
     """The header table within bounds: at most ``MAX_HEADERS`` headers, ``MAX_HEADER_VALUES`` values in
-    all, about ``MAX_HEADER_BYTES`` of names and values, and nothing nested deeper than the client decodes
+    all, about ``MAX_COMMAND_HEADER_BYTES`` of names and values, and nothing nested deeper than the client decodes
     (``amqp_headers.TOO_DEEP`` in its place). Walked without recursion, whatever a hand-made Delivery holds."""
     if len(headers) > MAX_HEADERS:
         raise InvalidMessage(f"the message has {len(headers)} headers, over the limit of {MAX_HEADERS}")
@@ -88,8 +88,8 @@ def check_headers(headers: dict[str, Any]) -> None:
             size += len(value)
         else:
             size += 9  # a number, a timestamp, a decimal: at most a type byte and eight bytes
-        if size > MAX_HEADER_BYTES:
-            raise InvalidMessage(f"the headers are larger than {MAX_HEADER_BYTES} bytes")
+        if size > MAX_COMMAND_HEADER_BYTES:
+            raise InvalidMessage(f"the headers are larger than {MAX_COMMAND_HEADER_BYTES} bytes")
 
 
 def check_envelope(delivery: Delivery) -> str:

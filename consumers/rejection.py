@@ -22,7 +22,7 @@ from intermission.schemas.events import CommandRejected
 from intermission.schemas.ids import RUN_ID_PATTERN
 from intermission.schemas.scope import Scope
 from intermission.tracing import current_traceparent
-from intermission.wire import Command, KeyScopeInvalid, dead_copy, rejected_key, rejection_message
+from intermission.wire import Command, dead_copy, rejected_key, rejection_message, scope_of_command_key
 
 _RUN_ID = re.compile(RUN_ID_PATTERN)
 
@@ -43,15 +43,9 @@ def _refusal_scope(routing_key: str, body: dict[str, Any] | None) -> Scope | Non
     with their run ids and details, into another tenant's stream). A bare key was published by an identity
     trusted with every scope, so its body's scope is the sender's; a key that names no valid scope is
     nobody's."""
-    for candidate in Command:
-        if routing_key == candidate.value:
-            return _scope(body)
-        if routing_key.startswith(f"{candidate.value}."):
-            try:
-                return candidate.scope_of_key(routing_key)
-            except KeyScopeInvalid:
-                return None
-    return None
+    if routing_key in set(Command):
+        return _scope(body)
+    return scope_of_command_key(routing_key)
 
 
 def _run_id(body: dict[str, Any] | None) -> str | None:

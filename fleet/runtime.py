@@ -264,9 +264,9 @@ class Fleet:
         try:
             taken = await self.stores.across_scopes.reclaim_lapsed(self.lease(), batch)
         except BaseException:
-            self._give_back(held)
+            self.admission.give_back(held)
             raise
-        self._give_back(held - len(taken))
+        self.admission.give_back(held - len(taken))
         held = len(taken)
         self.metrics.lease_takeovers.inc(len(taken))
         try:
@@ -286,15 +286,11 @@ class Fleet:
                     log.exception("could not continue a reclaimed run", extra={"action": "reclaim_run_error", **extra})
                 finally:
                     held -= 1
-                    self._give_back(1)
+                    self.admission.give_back(1)
         finally:
             # Cancelled part way (the worker stopping): the places of the runs not reached are given back.
-            self._give_back(held)
+            self.admission.give_back(held)
         return len(taken)
-
-    def _give_back(self, places: int) -> None:
-        """Give back places held for runs about to be taken, to the commands waiting for one."""
-        self.admission.give_back(places)
 
     async def _continue_reclaimed(self, reclaimed: Reclaimed) -> None:
         run = reclaimed.run

@@ -351,15 +351,22 @@ class BrokerGrants:
         # and dies with its connection (the revoked user's were closed just before, taking theirs with
         # them), so one still there belongs to someone else, a trusted process's live subscription.
         own = re.compile(rf"^(?:{own_queues(user)})$")
-        doomed = []
-        for b in response.json():
-            destination = str(b.get("destination", ""))
-            if b.get("destination_type") != "queue" or not str(b.get("routing_key", "")).endswith(suffix):
-                continue
-            if own.match(destination) or (
-                destination.startswith("amq.gen-") and not await self._exclusive(destination)
-            ):
-                doomed.append(b)
+        bound = [
+            b
+            for b in response.json()
+            if b.get("destination_type") == "queue" and str(b.get("routing_key", "")).endswith(suffix)
+        ]
+        exclusive = (
+            await self._exclusive_queues()
+            if any(str(b.get("destination", "")).startswith("amq.gen-") for b in bound)
+            else frozenset()
+        )
+        doomed = [
+            b
+            for b in bound
+            if own.match(str(b.get("destination", "")))
+            or (str(b.get("destination", "")).startswith("amq.gen-") and b.get("destination") not in exclusive)
+        ]
         for b in doomed:
             path = self._path(
                 "bindings", self.vhost, "e", EVENTS_EXCHANGE, "q", str(b["destination"]), str(b["properties_key"])
@@ -367,15 +374,10 @@ class BrokerGrants:
             await self._request("DELETE", path)
         return len(doomed)
 
-    async def _exclusive(self, queue: str) -> bool:
-        """Whether ``queue`` is exclusive to a connection (a queue gone meanwhile counts as exclusive: there
-        is nothing left to unbind)."""
-        response = await self._client.get(self._path("queues", self.vhost, queue))
-        if response.status_code == 404:
-            return True
-        if response.status_code >= 400:
-            raise ManagementError(f"reading queue {queue}: {response.status_code} {response.text[:300]}")
-        return bool(response.json().get("exclusive", False))
+    async def _exclusive_queues(self) -> frozenset[str]:
+        """The names of this vhost's queues that are exclusive to a connection, in one listing."""
+        response = await self._request("GET", self._path("queues", self.vhost) + "?columns=name,exclusive")
+        return frozenset(str(q["name"]) for q in response.json() if q.get("exclusive"))
 
     async def disconnect(self, user: str, *, reason: str) -> int:
         """Close every connection ``user`` has open to this vhost; returns how many there were. They are

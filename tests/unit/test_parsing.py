@@ -6,7 +6,7 @@ import pytest
 
 from intermission.amqp_headers import TOO_DEEP
 from intermission.consumers.parsing import (
-    MAX_HEADER_BYTES,
+    MAX_COMMAND_HEADER_BYTES,
     MAX_HEADER_VALUES,
     MAX_HEADERS,
     MAX_JSON_DEPTH,
@@ -106,7 +106,7 @@ def test_message_ids_with_control_characters_are_refused() -> None:
         ({"x-schema-version": 1, "x-nest": {"k": TOO_DEEP}}, "nests deeper"),
         ({"x-schema-version": 1, **{f"h{i}": i for i in range(MAX_HEADERS)}}, "headers, over the limit"),
         ({"x-schema-version": 1, "x-many": list(range(MAX_HEADER_VALUES))}, "more than"),
-        ({"x-schema-version": 1, "x-big": "x" * (MAX_HEADER_BYTES + 1)}, "larger than"),
+        ({"x-schema-version": 1, "x-big": "x" * (MAX_COMMAND_HEADER_BYTES + 1)}, "larger than"),
         ({"x-schema-version": 1, "x-big": [b"y" * 9000, {"z": "z" * 9000}]}, "larger than"),
     ],
 )
