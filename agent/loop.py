@@ -39,10 +39,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from intermission import points
 from intermission.agent.executor import ENDINGS, RunContext
 from intermission.agent.model import ModelClient, ModelRequest, ScriptedModel, ToolSpec
 from intermission.agent.tools import Tool, ToolFailed, ToolKind, ToolRegistry, demo_tools
-from intermission.fleet import points
 from intermission.schemas.answers import approval_group, call_approvers
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.errors import (

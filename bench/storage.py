@@ -115,9 +115,9 @@ from bench.scaling import log_record
 from bench.soak.ledger import Fate
 from bench.soak.profile import PROFILES
 from bench.soak.scripts import TEMPLATES
+from intermission.fleet.metrics import SweeperMetrics
 from intermission.fleet.pruning import PruneLoop
 from intermission.fleet.settings import Settings
-from intermission.ops.metrics import SweeperMetrics
 from intermission.publishers.amqp import RETRYABLE, PublishFailed, connect
 from intermission.publishers.clients import BusClient, HostClient, Subscription, version_of
 from intermission.schemas.commands import (

@@ -47,12 +47,12 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
+from intermission import points
 from intermission.consumers.batching import Acknowledgements
 from intermission.consumers.command_spans import BatchSpans, command_span, note_claimed, observed
 from intermission.consumers.handlers import CommandHandlers, StaleExpiry
 from intermission.consumers.parsing import MAX_REPLY_BODY_BYTES, Delivery, check_body_limits, check_envelope
 from intermission.consumers.rejection import Rejecter
-from intermission.fleet import points
 from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, backoff
 from intermission.schemas.errors import PermanentError, StoreContention, TransientError
 from intermission.store.commands import AnswerRequest, Claimed

@@ -15,10 +15,10 @@ from typing import Final
 
 from aio_pika.abc import AbstractRobustConnection
 
+from intermission.fleet.metrics import SweeperMetrics
 from intermission.fleet.settings import Settings
-from intermission.ops.dead import dead_stats
-from intermission.ops.metrics import SweeperMetrics
 from intermission.publishers.amqp import RETRYABLE
+from intermission.publishers.dead_queue import dead_stats
 from intermission.store.across_scopes import AcrossScopes
 from intermission.store.db import Database
 from intermission.store.retention import Counts, Kept, Pruner, Retention

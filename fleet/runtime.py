@@ -29,10 +29,10 @@ from intermission.agent.executor import EndedOnRequest, Executor, RunContext, Ru
 from intermission.fleet.admission import Admission
 from intermission.fleet.identity import incarnation
 from intermission.fleet.lease import LeaseKeeper
+from intermission.fleet.metrics import WorkerMetrics
 from intermission.fleet.run_spans import continuing
 from intermission.fleet.settings import Settings
 from intermission.fleet.supervisor import Supervisor
-from intermission.ops.metrics import WorkerMetrics
 from intermission.schemas.errors import (
     IntermissionError,
     InvalidContinuation,

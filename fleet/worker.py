@@ -19,21 +19,21 @@ from dataclasses import dataclass
 
 from aio_pika.abc import AbstractRobustConnection
 
+from intermission import points
 from intermission.agent.executor import Executor
 from intermission.agent.plugins import load_executor
 from intermission.consumers.handlers import WorkerHooks
 from intermission.consumers.policy import AckPolicy, CommandLimits
 from intermission.consumers.rejection import Rejecter
 from intermission.consumers.service import CommandConsumers
-from intermission.fleet import points
+from intermission.fleet import health
 from intermission.fleet.identity import incarnation, session_name
+from intermission.fleet.metrics import SweeperMetrics, TimedHandlers, WorkerMetrics
 from intermission.fleet.pruning import PRUNER_TASK, PruneLoop
 from intermission.fleet.runtime import RECLAIM_TASK, Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.signals import stop_on_signals
 from intermission.fleet.supervisor import SupervisedTaskFailed, Supervisor
-from intermission.ops import health
-from intermission.ops.metrics import SweeperMetrics, TimedHandlers, WorkerMetrics
 from intermission.publishers.amqp import connect
 from intermission.publishers.relay import OutboxRelay
 from intermission.publishers.sweeper import ExpirySweeper

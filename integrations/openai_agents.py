@@ -60,9 +60,9 @@ from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessa
 from openai.types.responses.response_prompt_param import ResponsePromptParam
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from intermission import points
 from intermission.agent.executor import ENDINGS, RunContext
 from intermission.agent.tools import ToolEnv
-from intermission.fleet import points
 from intermission.schemas.answers import approval_group, call_approvers
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.errors import (

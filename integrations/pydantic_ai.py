@@ -75,9 +75,9 @@ from pydantic_ai.tool_manager import ToolManager
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.usage import RunUsage
 
+from intermission import points
 from intermission.agent.executor import ENDINGS, RunContext
 from intermission.agent.tools import ToolEnv
-from intermission.fleet import points
 from intermission.schemas.answers import approval_group, call_approvers
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.errors import (

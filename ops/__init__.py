@@ -1,1 +1,1 @@
-"""Operations: the ``intermission`` command, the demo, metrics and the dead-letter tools."""
+"""Operations: the ``intermission`` command, the demo, the dead-letter tools, grants, doctor and the console."""

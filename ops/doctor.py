@@ -20,8 +20,8 @@ import httpx
 from aio_pika.abc import AbstractRobustConnection
 
 from intermission.fleet.settings import ManagementAccess
-from intermission.ops.dead import dead_stats
 from intermission.ops.durations import describe_duration
+from intermission.publishers.dead_queue import dead_stats
 from intermission.store.across_scopes import AcrossScopes
 from intermission.wire import COMMAND_QUEUES
 

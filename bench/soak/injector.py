@@ -30,7 +30,7 @@ from bench.soak.ledger import Ledger
 from bench.soak.procs import ProcessPool
 from bench.soak.profile import Profile
 from bench.soak.site import FaultPlan
-from intermission.fleet import points
+from intermission import points
 
 log = logging.getLogger("soak.injector")
 

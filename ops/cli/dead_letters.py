@@ -11,7 +11,8 @@ from aio_pika.abc import AbstractRobustConnection
 
 from intermission.ops.cli.app import broker, emit_json, json_option, load_settings, main, run_or_exit, say
 from intermission.ops.cli.processes import progress_bar
-from intermission.ops.dead import DeadLetter, DeadStats, Kept, Replay
+from intermission.ops.dead import DeadLetter, Kept, Replay
+from intermission.publishers.dead_queue import DeadStats
 
 
 @main.group("dead")
@@ -25,7 +26,8 @@ def dead_group() -> None:
 def dead_list(limit: int, as_json: bool) -> None:
     """What is in intermission.dead, and why; nothing is taken out."""
     settings = load_settings()
-    from intermission.ops.dead import dead_stats, list_dead
+    from intermission.ops.dead import list_dead
+    from intermission.publishers.dead_queue import dead_stats
 
     async def run() -> tuple[DeadStats, list[DeadLetter]]:
         async with broker(settings) as connection:
@@ -67,7 +69,8 @@ def dead_replay(
     if not (message_ids or codes or everything):
         raise click.UsageError("say which: --message-id, --code or --all")
     settings = load_settings()
-    from intermission.ops.dead import connection_user, dead_stats, list_dead, replay_dead, republished_as_another
+    from intermission.ops.dead import connection_user, list_dead, replay_dead, republished_as_another
+    from intermission.publishers.dead_queue import dead_stats
 
     def wanted(letter: DeadLetter) -> bool:
         return everything or letter.message_id in message_ids or letter.code in codes

@@ -49,9 +49,10 @@ from intermission.ops.console.sessions import (
     log_in,
 )
 from intermission.ops.console.throttle import LoginThrottle
-from intermission.ops.dead import dead_stats, list_dead
+from intermission.ops.dead import list_dead
 from intermission.ops.grants import BrokerGrants, ManagementError
 from intermission.publishers.amqp import PublishFailed, connect
+from intermission.publishers.dead_queue import dead_stats
 from intermission.schemas.commands import DecideCommand
 from intermission.schemas.run import TERMINAL_STATES, RunState
 from intermission.schemas.scope import Reach, Scope

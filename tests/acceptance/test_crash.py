@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from intermission.fleet import points
+from intermission import points
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.llm import Role
 from intermission.schemas.run import RunState

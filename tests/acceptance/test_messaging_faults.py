@@ -10,8 +10,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from intermission import points
 from intermission.agent.loop import default_executor
-from intermission.fleet import points
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import running_worker
 from intermission.publishers.clients import HostClient, version_of

@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from intermission import points
 from intermission.agent.plugins import load_executor
-from intermission.fleet import points
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import running_worker
 from intermission.integrations.openai_agents import OUTCOME_UNKNOWN, Prepared

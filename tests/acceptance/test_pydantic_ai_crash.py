@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from intermission.fleet import points
+from intermission import points
 from intermission.fleet.settings import Settings
 from intermission.integrations.pydantic_ai import OUTCOME_UNKNOWN
 from intermission.publishers.clients import HostClient, Received, Subscription, version_of

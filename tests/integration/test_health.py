@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from intermission.agent.loop import default_executor
+from intermission.fleet.health import Readiness, task_checks
 from intermission.fleet.runtime import RECLAIM_TASK
 from intermission.fleet.settings import Settings
 from intermission.fleet.supervisor import Supervisor
 from intermission.fleet.worker import RELAY_TASK, running_worker
-from intermission.ops.health import Readiness, task_checks
 from intermission.publishers.clients import HostClient
 from intermission.schemas.commands import StartCommand
 from intermission.schemas.errors import RunNotFound

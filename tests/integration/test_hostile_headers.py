@@ -19,9 +19,10 @@ import pytest
 from aio_pika.abc import AbstractRobustConnection, FieldValue
 
 from intermission.fleet.worker import Worker
-from intermission.ops.dead import dead_stats, list_dead
+from intermission.ops.dead import list_dead
 from intermission.ops.doctor import Status, dead_letters
 from intermission.publishers.clients import HostClient
+from intermission.publishers.dead_queue import dead_stats
 from intermission.schemas.scope import Scope
 from intermission.wire import (
     COMMANDS_EXCHANGE,

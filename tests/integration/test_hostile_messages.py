@@ -21,7 +21,7 @@ from typing import Any
 import aio_pika
 import pytest
 
-from intermission.fleet import points
+from intermission import points
 from intermission.fleet.worker import Worker
 from intermission.publishers.clients import HostClient
 from intermission.schemas.scope import Scope

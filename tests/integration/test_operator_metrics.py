@@ -14,11 +14,11 @@ import pytest
 
 from intermission.agent.executor import RunContext
 from intermission.agent.loop import default_executor
+from intermission.fleet import health
+from intermission.fleet.metrics import WorkerMetrics
 from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import running_worker
-from intermission.ops import health
-from intermission.ops.metrics import WorkerMetrics
 from intermission.publishers.clients import HostClient, version_of
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.run import RunState

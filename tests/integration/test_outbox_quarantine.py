@@ -19,9 +19,9 @@ from aio_pika.abc import AbstractQueue, AbstractRobustConnection
 from click.testing import CliRunner, Result
 
 from intermission.agent.loop import default_executor
+from intermission.fleet.metrics import WorkerMetrics
 from intermission.fleet.worker import running_worker
 from intermission.ops.cli import main
-from intermission.ops.metrics import WorkerMetrics
 from intermission.publishers.amqp import ConfirmingPublisher, Outgoing, PublishFailed, refusal
 from intermission.publishers.clients import HostClient
 from intermission.publishers.relay import OutboxRelay

@@ -17,12 +17,12 @@ import aio_pika
 import pytest
 
 from intermission.agent.loop import default_executor
+from intermission.fleet.metrics import SweeperMetrics
 from intermission.fleet.pruning import PruneLoop
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker, running_worker
-from intermission.ops.dead import dead_stats
-from intermission.ops.metrics import SweeperMetrics
 from intermission.publishers.clients import HostClient, Received, Subscription, version_of
+from intermission.publishers.dead_queue import dead_stats
 from intermission.schemas.commands import ResumeCommand, ToolAnswer
 from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
 from intermission.schemas.llm import Message, Role

@@ -4,7 +4,7 @@ this process's fleet. Tests, the demo and one-shot tools use it; production comm
 
 from __future__ import annotations
 
-from intermission.fleet import points
+from intermission import points
 from intermission.fleet.runtime import Fleet
 from intermission.schemas.commands import (
     CancelCommand,

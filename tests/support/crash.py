@@ -1,6 +1,6 @@
 """Crash points made real: a process that SIGKILLs itself at a named point of its work.
 
-``INTERMISSION_CRASH_AT`` names a point of ``intermission.fleet.points`` and ``INTERMISSION_CRASH_AFTER``
+``INTERMISSION_CRASH_AT`` names a point of ``intermission.points`` and ``INTERMISSION_CRASH_AFTER``
 how many earlier passes to let by (default 0). The kill is SIGKILL: no cleanup, no ``finally`` blocks,
 exactly what a kernel OOM kill or a lost machine does.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import signal
 
-from intermission.fleet import points
+from intermission import points
 from tests.support import charge_journal
 
 

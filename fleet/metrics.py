@@ -1,4 +1,4 @@
-"""Prometheus metrics of a worker and of a sweeper (served with the health endpoints by ``ops/health.py`` on
+"""Prometheus metrics of a worker and of a sweeper (served with the health endpoints by ``fleet/health.py`` on
 ``INTERMISSION_METRICS_PORT`` when it is not 0).
 
 Counters only where a rate is what an operator watches (commands by outcome, runs by how they left the
