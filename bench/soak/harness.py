@@ -128,10 +128,7 @@ class Drain:
             if c.expect is Expect.REJECT
             and c.confirmed
             and c.message_id is not None
-            and (
-                not self.observer.was_rejected(c.message_id)
-                or not any(d.message_id == c.message_id for d in self.observer.dead[-2000:])
-            )
+            and (not self.observer.was_rejected(c.message_id) or c.message_id not in self.observer.dead_ids)
         ]
         self.why = (
             f"{len(missing)} runs not created, {len(unsettled)} runs not settled "
