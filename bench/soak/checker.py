@@ -996,7 +996,8 @@ class Checker:
         heard = plan.first_heard
         wait = heard - began
         figures["wait"] = round(wait, 2)
-        infra = [f for f in self.ledger.faults if f.infrastructure]
+        # Faults that found nothing to act on (no worker, no local cluster) did nothing to weigh.
+        infra = [f for f in self.ledger.faults if f.infrastructure and f.done]
         servers = [
             f
             for f in infra
@@ -1006,9 +1007,7 @@ class Checker:
         if servers:
             figures["excused"] = sorted({f.kind for f in servers})
             return figures
-        workers = [
-            f for f in infra if f.kind in WORKER_FAULTS and f.done and _overlaps(f.at, f.ended or f.at, began, heard)
-        ]
+        workers = [f for f in infra if f.kind in WORKER_FAULTS and _overlaps(f.at, f.ended or f.at, began, heard)]
         allowed = bound + sum((f.ended or f.at) - f.at for f in workers)
         figures["allowed"] = round(allowed, 2)
         if wait > allowed:

@@ -538,6 +538,14 @@ def test_a_probe_whose_wait_overlapped_a_server_fault_or_its_recovery_is_excused
         assert result.stats["floods"][0]["excused"] == ["rabbitmq_restart"]
 
 
+def test_a_server_fault_that_found_nothing_to_act_on_excuses_nothing() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_flood(ledger, outbox, db, waited=BOUND + 0.5)
+    _infra_fault(ledger, "pg_restart", at=1.0, lasted=0.0)
+    ledger.faults[-1].done = False  # no local PostgreSQL cluster to stop
+    assert len(flood_violations(check(ledger, outbox, db))) == 1
+
+
 def test_a_server_fault_long_before_the_wait_excuses_nothing() -> None:
     ledger, outbox, db = copy.deepcopy(world())
     _with_flood(ledger, outbox, db, waited=BOUND + 0.5)
