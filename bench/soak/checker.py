@@ -105,6 +105,7 @@ def flood_bound(size: int, workers: int) -> float:
 
 
 def _overlaps(a: float, b: float, c: float, d: float) -> bool:
+    """Whether the intervals [a, b] and [c, d] share an instant."""
     return a <= d and c <= b
 
 
