@@ -33,12 +33,14 @@ faults are injected at random:
 SIGKILL, SIGTERM and crash points of workers, RabbitMQ ``stop_app``/``start_app``, PostgreSQL backend
 terminations and a short PostgreSQL stop/start, and duplicate, reordered, malformed, oversized, foreign,
 forged and unauthorised commands (mallory's for other tenants among them, refused by the broker or by the
-workers). Then the faults stop, the harness drains (every run ended or paused on
+workers), and a flooding tenant's bursts of starts over its quota, each with another tenant's run timed
+behind it. Then the faults stop, the harness drains (every run ended or paused on
 purpose, the outbox sent) and the invariant checker (``bench/soak/checker.py``) reads the database, the
 ``demo_charges`` ledger, every event captured from ``intermission.events`` and every dead-lettered copy.
 
 The report gives runs, pauses, resumes (and per second), faults injected by kind, invariants checked,
-violations, and the time from each fault to the next completed run. The exit status is 0 when no invariant
+violations, the time from each fault to the next completed run, and the floods with the probes' waits
+behind them. The exit status is 0 when no invariant
 was violated, 1 when one was, 2 when the soak could not run, 130 when interrupted.
 
 Servers (see ``bench/soak/env.py``): ``INTERMISSION_SOAK_DATABASE_URL`` (server DSN, default the local

@@ -20,6 +20,11 @@ Command faults that need a live pause (a forged reply, a decision by a non-appro
 foreign scope...) are "wishes": the fault injector posts them and the next suitable notice takes one. The
 bad command goes first; the legit answer is held back until its refusal is seen (or 20 s passed, after
 which the refusal may also name the state the legit answer left), so every refusal's code is known.
+
+A tenant's flood (``tenant_flood``) is the flooder's: confined to a scope of its own with a quota of live
+runs, it publishes a burst of starts at once, each expected either applied (a run that pauses and is left
+paused, so the scope stays at its quota) or refused ``quota_exceeded``; right behind the burst, the host of
+another scope starts a probe run, whose wait for its first Notice the checker holds to a bound.
 """
 
 from __future__ import annotations
@@ -39,10 +44,10 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractRobustConnection
 
-from bench.soak.env import APPROVER_ROLES, MALLORY, SoakEnv
-from bench.soak.ledger import Expect, Fate, Ledger, RunPlan, SentCommand, seeded
+from bench.soak.env import APPROVER_ROLES, FLOODER, MALLORY, SoakEnv
+from bench.soak.ledger import Expect, Fate, FloodRecord, Ledger, RunPlan, SentCommand, seeded
 from bench.soak.observe import Observer
-from bench.soak.scripts import Chosen
+from bench.soak.scripts import Chosen, flooded, probe
 from intermission.publishers.amqp import RETRYABLE, ConfirmingPublisher, PublishFailed, connect
 from intermission.publishers.clients import BusClient, HostClient, HostEvent, Subscription, version_of
 from intermission.schemas.commands import (
@@ -82,6 +87,8 @@ EFFECT_WAIT = 20.0
 # The over-17-MiB body the consumer refuses before parsing it (consumers.parsing.MAX_BODY_BYTES + 1).
 OVERSIZED_BODY_BYTES = 17 * 1024 * 1024 + 1
 STATE_CODES = frozenset({"not_suspended", "run_conflict"})
+# What a flood's start may be refused for: its scope is at its quota of live runs.
+QUOTA_CODES = frozenset({"quota_exceeded"})
 
 # Fault kinds the actors carry out at a notice (PRE: before the legit answer; POST: after it), at the end
 # of a run (END), or at once (DIRECT).
@@ -163,6 +170,9 @@ class Actors:
         # Mallory's hand-built commands: keyed for its own scope, with another tenant's body.
         self.mallory_raw: ConfirmingPublisher
         self.bus: BusClient
+        # The flooding tenant (``tenant_flood``), confined to its own scope.
+        self.flooder: HostClient
+        self.flood_scope = env.flood_scope
         # Replies published by users who are NOT the bus, though the broker lets them publish for the run's
         # scope (its host, an approver): the worker must refuse them.
         self.host_as_bus: dict[Scope, BusClient] = {}
@@ -191,6 +201,7 @@ class Actors:
         self.mallory = HostClient(self.mallory_connection, user_id=self.mallory_user)
         self.mallory_raw = ConfirmingPublisher(self.mallory_connection, COMMANDS_EXCHANGE, mandatory=True, timeout=10.0)
         self.bus = BusClient(await self._connect("bus"), user_id=env.user("bus"))
+        self.flooder = HostClient(await self._connect(FLOODER), user_id=env.user(FLOODER))
         return self
 
     def mallory_alone(self) -> HostClient:
@@ -204,6 +215,7 @@ class Actors:
             *self.approvers.values(),
             self.mallory,
             self.bus,
+            self.flooder,
             *self.host_as_bus.values(),
             *self.approver_as_bus.values(),
         ]
@@ -316,6 +328,7 @@ class Simulator:
         self.injecting = True
         self.starts_done = 0
         self.start_bodies: dict[str, StartCommand] = {}
+        self._flooding = False
 
     # --- bookkeeping -------------------------------------------------------------------------------
 
@@ -403,6 +416,10 @@ class Simulator:
     async def _start(self, n: int, choice: Chosen) -> None:
         scope = self.scopes[n % len(self.scopes)]
         run_id = f"soak-{self.seed}-{n:05d}"
+        await self._launch(run_id, scope, choice, f"soak run {n} ({choice.template.name}, {choice.fate.value})")
+
+    async def _launch(self, run_id: str, scope: Scope, choice: Chosen, text: str) -> None:
+        """Start a run of ``scope`` from its host, as planned by ``choice``."""
         mid = f"start:{run_id}"
         plan = RunPlan(
             run_id=run_id,
@@ -418,7 +435,7 @@ class Simulator:
             scope=scope,
             run_id=run_id,
             agent_id="demo",
-            input=f"soak run {n} ({choice.template.name}, {choice.fate.value})",
+            input=text,
             script=[ScriptTurn.model_validate(t) for t in choice.script],
             pause_ttl_seconds=choice.pause_ttl_seconds,
         )
@@ -428,6 +445,60 @@ class Simulator:
         )
         await self.sender.send(self.actors.hosts[scope], Command.START, command, record)
         self.starts_done += 1
+
+    # --- a tenant's flood --------------------------------------------------------------------------
+
+    async def flood(self, name: str, size: int, quota: int, workers: int) -> None:
+        """The flooder publishes ``size`` starts at once in its own scope, on its own scoped key; right
+        behind them, another tenant's host starts a probe run. One flood at a time: a probe is judged
+        against its own flood's starts only."""
+        if self._flooding:
+            self.ledger.fault("tenant_flood", f"{name}: the previous flood is still being published", done=False)
+            return
+        self._flooding = True
+        try:
+            await self._flood(name, size, quota, workers)
+        finally:
+            self._flooding = False
+
+    async def _flood(self, name: str, size: int, quota: int, workers: int) -> None:
+        scope = self.actors.flood_scope
+        chosen = flooded(seeded(self.seed, name))
+        script = [ScriptTurn.model_validate(t) for t in chosen.script]
+        flood = FloodRecord(name=name, scope=scope, size=size, quota=quota, workers=workers)
+        self.ledger.floods.append(flood)
+        sends: list[Coroutine[Any, Any, None]] = []
+        for i in range(size):
+            run_id = f"soak-{self.seed}-{name}-{i:05d}"
+            mid = f"start:{run_id}"
+            self.ledger.runs[run_id] = RunPlan(
+                run_id=run_id,
+                scope=scope,
+                template=chosen.template.name,
+                fate=chosen.fate,
+                pause_ttl_seconds=chosen.pause_ttl_seconds,
+                start_message_id=mid,
+                flood=name,
+            )
+            body = StartCommand(scope=scope, run_id=run_id, agent_id="demo", input=f"{name} start {i}", script=script)
+            record = self._record(
+                mid=mid,
+                key=Command.START,
+                run_id=run_id,
+                scope=scope,
+                sender="flooder",
+                purpose="tenant_flood",
+                expect=Expect.EITHER,
+                codes=QUOTA_CODES,
+            )
+            flood.starts.append(mid)
+            sends.append(self.sender.send(self.actors.flooder, Command.START, body, record))
+        self.ledger.fault("tenant_flood", f"{name}: {size} starts at {scope} (quota {quota}), {workers} workers")
+        await asyncio.gather(*sends)
+        flood.published = time.monotonic()
+        other = self.rng.choice(self.scopes)
+        flood.probe_run = f"soak-{self.seed}-{name}-probe"
+        await self._launch(flood.probe_run, other, probe(seeded(self.seed, flood.probe_run)), f"probe behind {name}")
 
     # --- hearing events ----------------------------------------------------------------------------
 
@@ -454,6 +525,8 @@ class Simulator:
         if plan is None:
             self.ledger.notes.append(f"{via} heard a notice for unknown run {notice.run_id}")
             return
+        if plan.first_heard is None:
+            plan.first_heard = time.monotonic()
         heard = plan.heard_by_host if via == "host" else plan.heard_by_bus
         if notice.suspension_id not in heard:
             heard.append(notice.suspension_id)
@@ -467,6 +540,8 @@ class Simulator:
         plan = self.ledger.runs.get(event.run_id)
         if plan is None or event.kind is RunEventKind.RESUMED:
             return
+        if plan.first_heard is None:
+            plan.first_heard = time.monotonic()
         if plan.ended is None:
             plan.ended = event.kind.value
             kind = self._take(END_KINDS, lambda _k: True) if plan.fate is Fate.COMPLETE else None

@@ -32,6 +32,12 @@ The invariants (docs/invariants.md, as the soak can observe them):
   error after that deadline, no run expired that was answered in time, and no live pause is past its
   deadline.
 - ``ends_match_events``: every ended run wrote exactly one terminal event, of the kind its state says.
+- ``flood_fairness``: behind each tenant's flood of starts (``tenant_flood``), another tenant's probe run
+  reached its first Notice within ``flood_bound`` (the flood's size over the fleet's floor rate of
+  refusals, plus an allowance), with the length of every worker fault during its wait added; a probe whose
+  wait overlapped a server fault (and its recovery) is excused and counted apart, never one that was not
+  heard at all. The flooding scope never held more runs than its quota of live runs, and each of the
+  flood's starts was applied (its run exists) or refused ``quota_exceeded`` (no run), never both.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from typing import Any
 
 import asyncpg
 
-from bench.soak.ledger import EXPIRED, Expect, Fate, Ledger, RunPlan, SentCommand
+from bench.soak.ledger import EXPIRED, Expect, Fate, FloodRecord, Ledger, RunPlan, SentCommand
 from bench.soak.observe import DeadLetter, Event
 from intermission.schemas.scope import Scope
 from intermission.wire import rejected_key, scope_of_command_key
@@ -61,6 +67,7 @@ INVARIANTS: dict[str, str] = {
     "outbox_delivered": "nothing left unsent in the outbox; every row delivered as written; every event a row",
     "expiries": "a pause whose deadline passed unanswered ended its run failed with suspension_expired",
     "ends_match_events": "every ended run wrote exactly one terminal event of its state's kind",
+    "flood_fairness": "behind a tenant's flood, another tenant's run paused within the bound; quota held",
 }
 
 # A refused command that is delivered again (its acknowledgement was lost) is judged again, against the
@@ -70,6 +77,36 @@ REDELIVERY_CODES = frozenset({"not_suspended", "run_conflict", "invalid_state"})
 TERMINAL_KEYS = {"completed": "completed", "cancelled": "cancelled", "failed": "failed", "expired": "failed"}
 EXPIRE_PREFIX = EXPIRED.split(":", 1)[1]
 FORGED = "FORGED"
+
+# The bound on a probe's wait behind a flood (docs/invariants.md, 22; docs/decisions.md, "Fairness between
+# tenants"): the flood's refusals ahead of it at the fleet's floor rate, plus an allowance for everything
+# else. Commands are shared FIFO queues, so the probe's start waits for the flood's starts before it; past
+# the flooding scope's quota each is one short refusal. ``python -m bench.flood`` measured one worker
+# alone on a loaded two-core machine at 180 to 290 starts a second through a whole flood (1,000 and 5,000
+# starts at quota 100); in the soak three workers, two sweepers, the harness and both servers share those
+# two cores, so the floor is taken per worker at a seventh of the slowest figure (the three together at
+# 75 a second, under half of what one worker alone managed).
+FLOOR_REFUSALS_PER_SECOND = 25.0
+# The probe's own start, first turn, pause, Notice and delivery (0.2 s measured on an idle machine), a
+# lease lapsed under it by a SIGKILL (2 s) and its reclaim (0.3 s), with room for the soak's load.
+LATENCY_ALLOWANCE_SECONDS = 10.0
+# Worker faults are judged, their length added to the bound: a fleet lives with them every day. Server
+# faults (broker and database outages, backend terminations, a cluster's failovers and partitions) excuse
+# a probe whose wait overlaps them or the recovery after them (the workers reconnect every 5 s, their loops
+# back off up to 10 s): what the probe then measures is the outage, not the flood.
+WORKER_FAULTS = frozenset({"worker_sigkill", "worker_sigterm", "worker_crash_point", "worker_stall"})
+SERVER_FAULT_RECOVERY_SECONDS = 10.0
+
+
+def flood_bound(size: int, workers: int) -> float:
+    """How long a run started right behind a flood of ``size`` starts may wait for its first Notice, with
+    ``workers`` workers alive."""
+    return size / (FLOOR_REFUSALS_PER_SECOND * max(1, workers)) + LATENCY_ALLOWANCE_SECONDS
+
+
+def _overlaps(a: float, b: float, c: float, d: float) -> bool:
+    """Whether the intervals [a, b] and [c, d] share an instant."""
+    return a <= d and c <= b
 
 
 @dataclass(frozen=True)
@@ -298,6 +335,7 @@ class Checker:
         self.outbox_delivered()
         self.expiries()
         self.ends_match_events()
+        self.flood_fairness()
         self.stats()
         return self.result
 
@@ -306,9 +344,11 @@ class Checker:
     def runs_settled(self) -> None:
         inv = "runs_settled"
         for plan in self.ledger.runs.values():
+            row = self.snap.runs.get(plan.run_id)
+            if row is None and plan.flood is not None:
+                continue  # a flood's start refused quota_exceeded has no run: flood_fairness judges it
             self.result.checked[inv] += 1
             subject = f"run {plan.run_id} ({plan.template}, fate {plan.fate.value})"
-            row = self.snap.runs.get(plan.run_id)
             if row is None:
                 self.fail(inv, subject, f"a run at {plan.scope} (started as {plan.start_message_id})", "no run row")
                 continue
@@ -881,6 +921,105 @@ class Checker:
             expired = (row["error"] or "").startswith(EXPIRE_PREFIX)
             if expired and keys and keys[0] != "expired":
                 self.fail(inv, f"run {run_id}", "a run.expired event for an expiry", f"run.{keys[0]}")
+
+    # --- floods ------------------------------------------------------------------------------------
+
+    def flood_fairness(self) -> None:
+        inv = "flood_fairness"
+        floods = self.ledger.floods
+        if not floods:
+            return
+        sent = self.ledger.by_message_id()
+        figures: list[dict[str, Any]] = []
+        for flood in floods:
+            outcomes = self._flood_starts(inv, flood.name, [sent[mid][0] for mid in flood.starts])
+            figures.append({"name": flood.name, "size": flood.size, "workers": flood.workers, **outcomes})
+            figures[-1].update(self._probe(inv, flood, sent))
+        # Its runs are never answered (they stay paused, live), so the scope never held more than it holds now.
+        scope, quota = floods[0].scope, floods[0].quota
+        held = sum(1 for r in self.snap.runs.values() if _at(r, scope))
+        self.result.checked[inv] += 1
+        if held > quota:
+            self.fail(inv, f"scope {scope}", f"at most its quota of {quota} live runs", f"{held} runs")
+        judged = [f for f in figures if f.get("wait") is not None and f.get("excused") is None]
+        self.result.stats["floods"] = figures
+        self.result.stats["flood_runs_held"] = held
+        self.result.stats["flood_probes_judged"] = len(judged)
+        self.result.stats["flood_probes_excused"] = sum(1 for f in figures if f.get("excused") is not None)
+        self.result.stats["flood_probe_wait_max"] = max((f["wait"] for f in judged), default=None)
+
+    def _flood_starts(self, inv: str, name: str, starts: list[SentCommand]) -> dict[str, int]:
+        """Each start of a flood applied (a run, its inbox record) or refused (no run), never both; the
+        codes and dead copies are ``one_effect_per_command``'s."""
+        outcomes = {"applied": 0, "refused": 0, "unconfirmed": 0}
+        for command in starts:
+            assert command.message_id is not None
+            assert command.run_id is not None
+            self.result.checked[inv] += 1
+            subject = f"{name} start {command.describe()}"
+            row = self.snap.runs.get(command.run_id)
+            recorded = bool(self.inbox_by_mid.get(command.message_id))
+            refused = bool(self.refusals.get(command.message_id))
+            if refused and row is not None:
+                self.fail(inv, subject, "no run for a start refused quota_exceeded", f"a {row['state']} run")
+            elif recorded and row is None:
+                self.fail(inv, subject, "its run, once applied (inbox record)", "no run")
+            elif row is not None and not recorded:
+                self.fail(inv, subject, "a run only for an applied start", "a run without its inbox record")
+            if row is not None:
+                outcomes["applied"] += 1
+            elif refused:
+                outcomes["refused"] += 1
+            elif not command.confirmed:
+                outcomes["unconfirmed"] += 1
+        return outcomes
+
+    def _probe(self, inv: str, flood: FloodRecord, sent: dict[str, list[SentCommand]]) -> dict[str, Any]:
+        """The probe behind ``flood``: its first Notice within the bound, the worker faults during its wait
+        added; excused if its wait overlapped a server fault or the recovery after one."""
+        bound = flood_bound(flood.size, flood.workers)
+        figures: dict[str, Any] = {"bound": round(bound, 2), "wait": None, "excused": None}
+        plan = self.ledger.runs.get(flood.probe_run or "")
+        starts = sent.get(plan.start_message_id, []) if plan is not None else []
+        if plan is None or not starts or not starts[0].confirmed:
+            # The load ended (or the harness gave up on the broker) before the probe was started.
+            self.ledger.notes.append(f"{flood.name}: no probe was started behind it")
+            return figures
+        self.result.checked[inv] += 1
+        began = starts[0].sent_at
+        subject = f"probe run {plan.run_id} behind {flood.name} ({flood.size} starts, {flood.workers} workers)"
+        formula = (
+            f"{flood.size} / ({FLOOR_REFUSALS_PER_SECOND:g} x {max(1, flood.workers)}) + {LATENCY_ALLOWANCE_SECONDS:g}"
+        )
+        if plan.first_heard is None:
+            self.fail(inv, subject, f"its first Notice within {bound:.1f} s ({formula})", "never heard")
+            return figures
+        heard = plan.first_heard
+        wait = heard - began
+        figures["wait"] = round(wait, 2)
+        # Faults that found nothing to act on (no worker, no local cluster) did nothing to weigh.
+        infra = [f for f in self.ledger.faults if f.infrastructure and f.done]
+        servers = [
+            f
+            for f in infra
+            if f.kind not in WORKER_FAULTS
+            and _overlaps(f.at, (f.ended or f.at) + SERVER_FAULT_RECOVERY_SECONDS, began, heard)
+        ]
+        if servers:
+            figures["excused"] = sorted({f.kind for f in servers})
+            return figures
+        workers = [f for f in infra if f.kind in WORKER_FAULTS and _overlaps(f.at, f.ended or f.at, began, heard)]
+        allowed = bound + sum((f.ended or f.at) - f.at for f in workers)
+        figures["allowed"] = round(allowed, 2)
+        if wait > allowed:
+            during = f", with {', '.join(f.kind for f in workers)} during it" if workers else ""
+            self.fail(
+                inv,
+                subject,
+                f"its first Notice within {allowed:.1f} s ({formula}{during})",
+                f"{wait:.1f} s after its start was sent",
+            )
+        return figures
 
     # --- figures -----------------------------------------------------------------------------------
 

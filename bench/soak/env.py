@@ -6,7 +6,9 @@ of its own, created at the start and removed at the end:
 - one host per scope the soak's runs live in, confined to it by the broker (exactly the permissions
   ``intermission grant`` gives: ``ops.grants.host_permissions``);
 - two approvers, confined to the scopes they approve in (all of the runs' scopes);
-- "mallory", a host confined to a scope of its own where no run lives, who is neither bus nor approver.
+- "mallory", a host confined to a scope of its own where no run lives, who is neither bus nor approver;
+- "flooder", a host confined to a scope of its own with a quota of live runs, which floods starts
+  (``tenant_flood``): a greedy tenant, not a forger, so apart from mallory, whose scope must stay empty.
 
 Everything is made by ONE ``rabbitmqctl import_definitions`` (users, the vhost, permissions and topic
 permissions): each ``rabbitmqctl`` call boots an Erlang VM, about a second.
@@ -36,7 +38,9 @@ import asyncpg
 from intermission.ops.grants import NOTHING, host_permissions
 from intermission.publishers.amqp import amqp_nodes, with_credentials, with_vhost
 from intermission.schemas.scope import Scope
+from intermission.store.db import Database
 from intermission.store.migrate import migrate
+from intermission.store.quotas import set_quota
 
 if TYPE_CHECKING:
     from bench.soak.site import Endpoints
@@ -49,6 +53,7 @@ log = logging.getLogger("soak.env")
 TRUSTED_ROLES = ("worker", "sweeper", "bus")
 APPROVER_ROLES = ("approver-1", "approver-2")
 MALLORY = "mallory"
+FLOODER = "flooder"
 
 
 def server_dsn() -> str:
@@ -119,19 +124,23 @@ class SoakEnv:
     admin_url: str
     ctl: list[str]
     users: dict[str, AmqpUser]
-    # The scopes the runs live in, each with its own host (``host_role(i)`` for ``scopes[i]``), and
-    # mallory's own scope, where no run lives.
+    # The scopes the runs live in, each with its own host (``host_role(i)`` for ``scopes[i]``), mallory's
+    # own scope, where no run lives, and the flooder's, where only its floods' runs live.
     scopes: list[Scope]
     mallory_scope: Scope
+    flood_scope: Scope
     created_database: bool = False
     created_vhost: bool = False
 
     @classmethod
-    def new(cls, tag: str, scopes: list[Scope], mallory_scope: Scope, endpoints: Endpoints) -> SoakEnv:
+    def new(
+        cls, tag: str, scopes: list[Scope], mallory_scope: Scope, flood_scope: Scope, endpoints: Endpoints
+    ) -> SoakEnv:
         confined: dict[str, tuple[Scope, ...] | None] = dict.fromkeys(TRUSTED_ROLES)
         confined.update({host_role(i): (scope,) for i, scope in enumerate(scopes)})
         confined.update({role: tuple(scopes) for role in APPROVER_ROLES})
         confined[MALLORY] = (mallory_scope,)
+        confined[FLOODER] = (flood_scope,)
         users = {
             role: AmqpUser(f"soak-{tag}-{role}", secrets.token_urlsafe(18), scopes=where)
             for role, where in confined.items()
@@ -144,6 +153,7 @@ class SoakEnv:
             users=users,
             scopes=list(scopes),
             mallory_scope=mallory_scope,
+            flood_scope=flood_scope,
         )
 
     def host_roles(self) -> list[tuple[Scope, str]]:
@@ -177,6 +187,14 @@ class SoakEnv:
     async def create(self) -> None:
         await self._create_database()
         await self._create_vhost()
+
+    async def give_quota(self, scope: Scope, live_runs: int) -> None:
+        """Give ``scope`` a quota of live runs of its own, as ``intermission quotas set`` does."""
+        db = await Database.connect(self.database_url, max_size=1)
+        try:
+            await set_quota(db, scope, live_runs=live_runs, starts_per_second=None)
+        finally:
+            await db.close()
 
     async def _create_database(self) -> None:
         con = await asyncpg.connect(self.server_dsn)

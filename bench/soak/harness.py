@@ -114,6 +114,20 @@ class Drain:
                 await con.close()
         started = [c.run_id for c in self.ledger.commands if c.purpose == "start" and c.confirmed and c.run_id]
         missing = [r for r in started if r not in states]
+        # A flood's start is settled once applied (its run exists) or refused (its refusal and its dead
+        # copy heard).
+        unresolved = [
+            c
+            for c in self.ledger.commands
+            if c.purpose == "tenant_flood"
+            and c.confirmed
+            and c.run_id not in states
+            and not (
+                c.message_id is not None
+                and self.observer.was_rejected(c.message_id)
+                and c.message_id in self.observer.dead_ids
+            )
+        ]
         unsettled = [
             run_id
             for run_id, state in states.items()
@@ -128,19 +142,19 @@ class Drain:
             if c.expect is Expect.REJECT
             and c.confirmed
             and c.message_id is not None
-            and (
-                not self.observer.was_rejected(c.message_id)
-                or not any(d.message_id == c.message_id for d in self.observer.dead[-2000:])
-            )
+            and (not self.observer.was_rejected(c.message_id) or c.message_id not in self.observer.dead_ids)
         ]
         self.why = (
-            f"{len(missing)} runs not created, {len(unsettled)} runs not settled "
+            f"{len(missing)} runs not created, {len(unresolved)} flood starts neither applied nor refused, "
+            f"{len(unsettled)} runs not settled "
             f"(e.g. {unsettled[:3]}), {unsent} outbox rows unsent, {len(undelivered)} undelivered, "
             f"{len(unrefused)} refusals unheard, {unheard} notices not yet heard by the host or bus, "
             f"{self.sim.busy} harness tasks busy "
             f"{sorted(t.get_name() for t in self.sim.tasks)[:5]}"
         )
-        return not (missing or unsettled or unsent or undelivered or unrefused or unheard or self.sim.busy)
+        return not (
+            missing or unresolved or unsettled or unsent or undelivered or unrefused or unheard or self.sim.busy
+        )
 
     def _unheard(self) -> int:
         """Captured notices that the host's (and for agent asks the bus's) subscription has not delivered
@@ -171,7 +185,10 @@ async def soak(options: Options, say: Say) -> Report:
     tag = f"{seed}_{uuid.uuid4().hex[:6]}"
     scopes = [Scope(app=f"soak-{seed % 1000}", tenant=f"t{i}") for i in range(SCOPE_COUNT)]
     site = options.site
-    env = SoakEnv.new(tag, scopes, Scope(app=FOREIGN_APP, tenant="mallory"), site.endpoints)
+    # The flooder's scope is a tenant of the soak's app like the others (unlike mallory's, where nothing may
+    # ever be written).
+    flood_scope = Scope(app=f"soak-{seed % 1000}", tenant="flood")
+    env = SoakEnv.new(tag, scopes, Scope(app=FOREIGN_APP, tenant="mallory"), flood_scope, site.endpoints)
     logdir = Path(tempfile.mkdtemp(prefix=f"intermission-soak-{tag}-"))
     say(
         f"soak {profile.name}: seed {seed}, {profile.runs} runs over {profile.load_seconds:.0f} s, "
@@ -183,6 +200,7 @@ async def soak(options: Options, say: Say) -> Report:
     keep_logs = options.keep
     try:
         await env.create()
+        await env.give_quota(flood_scope, profile.flood_quota)
         # The topology first, so that the capture is bound before any event can be published.
         admin = await connect(env.amqp_url(), "soak topology")
         try:
@@ -243,6 +261,9 @@ async def soak(options: Options, say: Say) -> Report:
                 listeners.append(asyncio.create_task(sim.host_loop(subscription), name=f"host:{scope}"))
             bus_subscription = await stack.enter_async_context(actors.bus.subscribe())
             listeners.append(asyncio.create_task(sim.bus_loop(bus_subscription), name="bus"))
+            # The flooder hears its own scope too: its runs' notices must be heard like any others.
+            flood_subscription = await stack.enter_async_context(actors.flooder.subscribe(flood_scope))
+            listeners.append(asyncio.create_task(sim.host_loop(flood_subscription), name="flooder"))
             try:
                 drained = await _load_and_drain(profile, seed, ledger, env, observer, sim, pool, plan, say, hard_end)
             finally:

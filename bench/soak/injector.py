@@ -13,7 +13,9 @@
   refused by the broker; keyed for its own with the victim's body: forbidden; the victim's run named in its
   own scope: not found), replies from users who are not the bus, decisions from non-approvers, answers of
   the wrong kind, mismatched results, re-used message ids, starts over ended runs and cancels of ended
-  runs. Those that need a live pause or an ended run are posted as wishes to the actors.
+  runs. Those that need a live pause or an ended run are posted as wishes to the actors. And a tenant's
+  flood (``tenant_flood``): the flooding tenant publishes ``Profile.flood_size`` starts at once, over its
+  quota of live runs, and another tenant's probe run is started right behind them (``actors.py``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ COMMAND_DECK = (
     "message_id_conflict",
     "run_exists",
     "cancel_ended",
+    "tenant_flood",
 )
 
 
@@ -97,6 +100,7 @@ class Injector:
         self._hostile = 0
         self._oversized = 0
         self._duplicates = 0
+        self._floods = 0
 
     async def infra_loop(self, until: float, stop: asyncio.Event) -> None:
         deck: list[str] = []
@@ -116,13 +120,23 @@ class Injector:
                 detail = await self._infra(kind)
             except Exception as exc:
                 log.exception("fault %s failed", kind)
-                self.ledger.fault(kind, f"could not inject: {type(exc).__name__}: {exc}", at=at, done=False)
+                self.ledger.fault(
+                    kind,
+                    f"could not inject: {type(exc).__name__}: {exc}",
+                    at=at,
+                    done=False,
+                    infrastructure=True,
+                    ended=time.monotonic(),
+                )
                 self.ledger.notes.append(f"{kind} could not be injected: {exc}")
                 continue
+            # Each action returns once its fault is undone (the server back, the worker replaced): its
+            # interval is what the checker weighs a flood's probe against.
+            ended = time.monotonic()
             if detail is None:
-                self.ledger.fault(kind, "no target", at=at, done=False)
+                self.ledger.fault(kind, "no target", at=at, done=False, infrastructure=True, ended=ended)
             else:
-                self.ledger.fault(kind, detail, at=at)
+                self.ledger.fault(kind, detail, at=at, infrastructure=True, ended=ended)
                 log.info("fault %s: %s", kind, detail)
 
     async def _infra(self, kind: str) -> str | None:
@@ -174,6 +188,13 @@ class Injector:
             self._oversized += 1
         elif kind == "unknown_run":
             sim.spawn(sim.unknown_run(), "fault:unknown_run")
+        elif kind == "tenant_flood":
+            self._floods += 1
+            # The bound is per worker alive when the burst goes (a worker killed later is a fault the
+            # checker weighs); crash-point workers are extras that die soon, so they are not counted.
+            workers = len(self.pool.live())
+            name = f"flood{self._floods}"
+            sim.spawn(sim.flood(name, self.profile.flood_size, self.profile.flood_quota, workers), f"fault:{name}")
         elif kind == "duplicate_command":
             self._duplicates += 1
             if self._duplicates % 2:

@@ -128,6 +128,11 @@ class RunPlan:
     ended: str | None = None
     # The suspension the harness leaves unanswered on purpose (abandon), once known.
     left_paused: int | None = None
+    # The flood whose start this is (``tenant_flood``): such a start may be refused ``quota_exceeded``,
+    # and then the run must not exist.
+    flood: str | None = None
+    # When the harness first heard of the run (its first Notice or its end, by either subscription).
+    first_heard: float | None = None
 
     @property
     def allowed_ends(self) -> frozenset[str]:
@@ -141,6 +146,32 @@ class FaultRecord:
     detail: str = ""
     # False when the fault could not be injected (no suitable target, a server tool missing...).
     done: bool = True
+    # An infrastructure fault (a worker or a server, not a command), and when the injector had undone it
+    # (the outage over, the killed worker replaced): the checker weighs a flood's probe against it.
+    infrastructure: bool = False
+    ended: float | None = None
+
+
+@dataclass
+class FloodRecord:
+    """One tenant's burst of starts (``tenant_flood``) and the probe run another tenant started right
+    behind it."""
+
+    name: str
+    scope: Scope
+    size: int
+    # The flooding scope's quota of live runs.
+    quota: int
+    # Normal workers alive when the burst was published (the bound's fleet).
+    workers: int
+    began: float = field(default_factory=time.monotonic)
+    # Every start of the burst confirmed by the broker (or given up on).
+    published: float | None = None
+    # The message ids of its starts, in the order sent.
+    starts: list[str] = field(default_factory=list)
+    # The probe: its run (its start is the run's ``start:<run id>`` command, whose ``sent_at`` is when it
+    # was sent; its run plan's ``first_heard`` when its first Notice or end was heard).
+    probe_run: str | None = None
 
 
 @dataclass
@@ -149,6 +180,7 @@ class Ledger:
     runs: dict[str, RunPlan] = field(default_factory=dict)
     commands: list[SentCommand] = field(default_factory=list)
     faults: list[FaultRecord] = field(default_factory=list)
+    floods: list[FloodRecord] = field(default_factory=list)
     # Things the harness noticed that are not invariants of the product but belong in the report.
     notes: list[str] = field(default_factory=list)
     # Processes that exited without being told to (crash points excluded).
@@ -161,8 +193,24 @@ class Ledger:
         self.commands.append(command)
         return command
 
-    def fault(self, kind: str, detail: str = "", *, at: float | None = None, done: bool = True) -> FaultRecord:
-        record = FaultRecord(kind=kind, at=time.monotonic() if at is None else at, detail=detail, done=done)
+    def fault(
+        self,
+        kind: str,
+        detail: str = "",
+        *,
+        at: float | None = None,
+        done: bool = True,
+        infrastructure: bool = False,
+        ended: float | None = None,
+    ) -> FaultRecord:
+        record = FaultRecord(
+            kind=kind,
+            at=time.monotonic() if at is None else at,
+            detail=detail,
+            done=done,
+            infrastructure=infrastructure,
+            ended=ended,
+        )
         self.faults.append(record)
         return record
 

@@ -78,6 +78,8 @@ class Observer:
     rejected_by_run: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     resumed_by: dict[str, int] = field(default_factory=dict)
     completed_at: list[float] = field(default_factory=list)
+    # The message ids of every dead-lettered copy (the drain asks of each refused command).
+    dead_ids: set[str] = field(default_factory=set)
     _connection: AbstractRobustConnection | None = None
     _channel: AbstractRobustChannel | None = None
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -149,6 +151,8 @@ class Observer:
                 arrived=time.monotonic(),
             )
         )
+        if message.message_id:
+            self.dead_ids.add(message.message_id)
         await message.ack()
         async with self._changed:
             self._changed.notify_all()

@@ -30,6 +30,11 @@ class Profile:
     light_per_deck: int = 1
     # Short deadlines for the runs that test them, in seconds.
     deadline_seconds: tuple[int, int] = (2, 4)
+    # A tenant's flood (``tenant_flood``, once per deck of command faults): the starts it publishes at
+    # once, and its scope's quota of live runs (its runs never end, so every start past the first
+    # ``flood_quota`` of the soak is refused quota_exceeded).
+    flood_size: int = 300
+    flood_quota: int = 10
 
 
 PROFILES: dict[str, Profile] = {
@@ -60,6 +65,7 @@ PROFILES: dict[str, Profile] = {
         rabbit_down=(1.0, 4.0),
         pg_down=(0.5, 3.0),
         light_per_deck=2,
+        flood_size=1000,
     ),
 }
 

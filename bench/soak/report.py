@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.soak.checker import INVARIANTS, CheckResult
+from bench.soak.checker import FLOOR_REFUSALS_PER_SECOND, INVARIANTS, LATENCY_ALLOWANCE_SECONDS, CheckResult
 from bench.soak.ledger import Ledger
 from bench.soak.profile import Profile
 
@@ -57,6 +57,24 @@ class Report:
                 gaps.append(done[index] - fault.at)
         return gaps
 
+    def floods(self) -> dict[str, Any]:
+        """The tenants' floods (``tenant_flood``): their starts' outcomes and the probes' waits behind them."""
+        stats = self.result.stats
+        each: list[dict[str, Any]] = stats.get("floods", [])
+        return {
+            "floods": len(each),
+            "size": self.profile.flood_size,
+            "quota": self.profile.flood_quota,
+            "bound": f"size / ({FLOOR_REFUSALS_PER_SECOND:g} x workers alive) + {LATENCY_ALLOWANCE_SECONDS:g} s",
+            "starts_applied": sum(f["applied"] for f in each),
+            "starts_refused": sum(f["refused"] for f in each),
+            "runs_held": stats.get("flood_runs_held", 0),
+            "probes_judged": stats.get("flood_probes_judged", 0),
+            "probes_excused": stats.get("flood_probes_excused", 0),
+            "probe_wait_max_seconds": stats.get("flood_probe_wait_max"),
+            "each": each,
+        }
+
     def as_dict(self) -> dict[str, Any]:
         stats = self.result.stats
         gaps = self.recovery()
@@ -70,7 +88,10 @@ class Report:
             "total_seconds": round(self.total_seconds, 1),
             "drained": self.drained,
             "runs_started": sum(1 for c in self.ledger.commands if c.purpose == "start" and c.confirmed),
-            "runs_planned_by_fate": dict(sorted(Counter(p.fate.value for p in self.ledger.runs.values()).items())),
+            # A flood's starts are counted with its flood, not as planned runs.
+            "runs_planned_by_fate": dict(
+                sorted(Counter(p.fate.value for p in self.ledger.runs.values() if p.flood is None).items())
+            ),
             "runs_by_state": stats.get("runs_by_state", {}),
             "expired_runs": stats.get("expired_runs", 0),
             "pauses": stats.get("pauses", 0),
@@ -103,6 +124,7 @@ class Report:
                 "median_seconds": round(statistics.median(gaps), 2) if gaps else None,
                 "max_seconds": round(max(gaps), 2) if gaps else None,
             },
+            "floods": self.floods(),
             "invariants_checked": {name: self.result.checked.get(name, 0) for name in self.invariants()},
             "violations": self.violations,
             "unexpected_exits": list(self.ledger.unexpected_exits),
@@ -136,6 +158,7 @@ class Report:
             f"max {recovery['max_seconds']} s (over {recovery['faults_measured']} faults)"
         )
         lines.append(f"processes started: {d['processes_started']}; harness publish retries: {d['publish_retries']}")
+        lines += _flood_lines(d["floods"])
         lines.append("invariants checked:")
         meaning = self.invariants()
         lines += [f"  {name:<24} {count:>6}  {meaning[name]}" for name, count in d["invariants_checked"].items()]
@@ -150,6 +173,31 @@ class Report:
         if len(d["violations"]) > 200:
             lines.append(f"  ... and {len(d['violations']) - 200} more")
         return "\n".join(lines)
+
+
+def _flood_lines(floods: dict[str, Any]) -> list[str]:
+    if not floods["floods"]:
+        return ["floods: none"]
+    lines = [
+        f"floods: {floods['floods']} of {floods['size']} starts at a quota of {floods['quota']} live runs: "
+        f"{floods['starts_applied']} applied, {floods['starts_refused']} refused quota_exceeded; "
+        f"{floods['runs_held']} runs held by the flooding scope",
+        f"  probes behind them: {floods['probes_judged']} judged, max wait {floods['probe_wait_max_seconds']} s "
+        f"(bound {floods['bound']}); {floods['probes_excused']} excused by a server fault",
+    ]
+    for f in floods["each"]:
+        if f["wait"] is None:
+            probe = "no probe heard"
+        elif f["excused"] is not None:
+            probe = f"probe waited {f['wait']} s, excused ({', '.join(f['excused'])})"
+        else:
+            probe = f"probe waited {f['wait']} s of {f['allowed']} s allowed (bound {f['bound']} s)"
+        lost = f", never confirmed {f['unconfirmed']}" if f["unconfirmed"] else ""
+        lines.append(
+            f"  {f['name']}: {f['size']} starts, {f['workers']} workers; applied {f['applied']}, "
+            f"refused {f['refused']}{lost}; {probe}"
+        )
+    return lines
 
 
 def _kv(mapping: dict[str, Any]) -> str:

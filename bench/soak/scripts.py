@@ -145,6 +145,21 @@ class Chosen:
     pause_ttl_seconds: int
 
 
+# The runs of a tenant's flood and its probe pause at once, for a tool result: a flood's run is left paused
+# (abandon) so that its scope stays at its quota for the whole soak; the probe's first Notice is what the
+# checker times, and the run is then answered and completes like any other.
+FLOODED = Template("flooded", 0.0, ("external_tool",), lambda r, a: [_turn(_lookup(r)), _say("never answered")])
+PROBE = Template("probe", 0.0, ("external_tool",), lambda r, a: [_turn(_lookup(r)), _say("probed")])
+
+
+def flooded(rng: random.Random) -> Chosen:
+    return Chosen(template=FLOODED, fate=Fate.ABANDON, script=FLOODED.build(rng, []), pause_ttl_seconds=0)
+
+
+def probe(rng: random.Random) -> Chosen:
+    return Chosen(template=PROBE, fate=Fate.COMPLETE, script=PROBE.build(rng, []), pause_ttl_seconds=0)
+
+
 def choose(rng: random.Random, approvers: list[str], deadline: tuple[int, int]) -> Chosen:
     template = rng.choices(TEMPLATES, weights=[t.weight for t in TEMPLATES])[0]
     script = template.build(rng, approvers)

@@ -11,8 +11,17 @@ from typing import Any, cast
 
 import pytest
 
-from bench.soak.checker import Checker, CheckResult, Evidence, Snapshot
-from bench.soak.ledger import Expect, Fate, Ledger, RunPlan, SentCommand
+from bench.soak.checker import (
+    FLOOR_REFUSALS_PER_SECOND,
+    LATENCY_ALLOWANCE_SECONDS,
+    SERVER_FAULT_RECOVERY_SECONDS,
+    Checker,
+    CheckResult,
+    Evidence,
+    Snapshot,
+    flood_bound,
+)
+from bench.soak.ledger import Expect, Fate, FloodRecord, Ledger, RunPlan, SentCommand
 from bench.soak.observe import DeadLetter, Event
 from intermission.schemas.scope import Scope
 
@@ -143,7 +152,7 @@ def check(ledger: Ledger, outbox: list[Row], db: dict[str, Any]) -> CheckResult:
     snap = Snapshot(
         now=NOW,
         runs=cast("Any", db["runs"]),
-        suspensions={},
+        suspensions=cast("Any", db.get("suspensions", {})),
         progress={},
         run_events=cast("Any", db["run_events"]),
         outbox=cast("Any", outbox),
@@ -383,3 +392,200 @@ def test_a_forgery_refused_in_the_victims_scope_is_reported() -> None:
         "expected nothing of it heard in soak/t0's events; found ['command.rejected.soak.t0']" in v for v in found
     )
     assert any("expected its refusals under command.rejected.soak-foreign.mallory" in v for v in found), found
+
+
+# --- a tenant's flood, and the probe run behind it ------------------------------------------------------
+
+FLOOD = Scope(app="soak", tenant="flood")
+APPLIED = "soak-1-flood1-00000"
+REFUSED = "soak-1-flood1-00001"
+SENT_AT = 100.0
+# The flood's two starts, with three workers alive: 2 / (25 x 3) + 10.
+BOUND = flood_bound(2, 3)
+
+
+def _with_flood(ledger: Ledger, outbox: list[Row], db: dict[str, Any], *, waited: float) -> None:
+    """The flooder's two starts at a quota of one live run: the first applied (a run paused for good), the
+    second refused quota_exceeded; the world's run is the probe behind them, its first Notice heard
+    ``waited`` seconds after its start was sent."""
+    flood = FloodRecord(name="flood1", scope=FLOOD, size=2, quota=1, workers=3, probe_run=RUN)
+    for run_id in (APPLIED, REFUSED):
+        mid = f"start:{run_id}"
+        ledger.runs[run_id] = RunPlan(run_id, FLOOD, "flooded", Fate.ABANDON, 0, mid, flood="flood1")
+        ledger.sent(
+            SentCommand(
+                mid,
+                "run.start",
+                run_id,
+                FLOOD,
+                "flooder",
+                "tenant_flood",
+                Expect.EITHER,
+                codes=frozenset({"quota_exceeded"}),
+                confirmed=True,
+                routing_key=f"run.start.{FLOOD.routing_suffix()}",
+            )
+        )
+        flood.starts.append(mid)
+    ledger.floods.append(flood)
+    plan = ledger.runs[APPLIED]
+    plan.heard_by_host, plan.handled, plan.left_paused = [2], {2}, 2
+    notice = {
+        "suspension_id": 2,
+        "run_id": APPLIED,
+        "run_revision": 1,
+        "reason": "external_tool",
+        "pending": [],
+        "scope": FLOOD.model_dump(),
+    }
+    outbox.append(
+        {
+            **outbox_row(9, f"notice.external_tool.{FLOOD.routing_suffix()}", json.dumps(notice), f"start:{APPLIED}"),
+            "run_id": APPLIED,
+            "tenant": FLOOD.tenant,
+        }
+    )
+    db["runs"][APPLIED] = {
+        **db["runs"][RUN],
+        "id": APPLIED,
+        "tenant": FLOOD.tenant,
+        "state": "paused",
+        "revision": 1,
+        "ended_at": None,
+    }
+    db["suspensions"] = {
+        APPLIED: [
+            {"id": 2, "run_id": APPLIED, "app": FLOOD.app, "tenant": FLOOD.tenant, "reason": "external_tool"}
+            | {"expires_at": None}
+        ]
+    }
+    db["run_events"].append({"run_id": APPLIED, "kind": "paused", "revision": 1, "data": json.dumps(notice)})
+    db["inbox"][(FLOOD.app, FLOOD.tenant, f"start:{APPLIED}")] = inbox_row(FLOOD, f"start:{APPLIED}", "run.start")
+    db["rejections"].append(refusal(f"start:{REFUSED}", "quota_exceeded", scope=FLOOD))
+    db["dead"].append((f"start:{REFUSED}", "quota_exceeded"))
+    # The probe: the world's run, started right behind the flood.
+    ledger.commands[0].sent_at = SENT_AT
+    ledger.runs[RUN].first_heard = SENT_AT + waited
+
+
+def _infra_fault(ledger: Ledger, kind: str, at: float, lasted: float) -> None:
+    ledger.fault(kind, "for the test", at=SENT_AT + at, infrastructure=True, ended=SENT_AT + at + lasted)
+
+
+def flood_violations(result: CheckResult) -> list[str]:
+    return [str(v) for v in result.violations if v.invariant == "flood_fairness"]
+
+
+def test_the_bound_is_the_floods_refusals_at_the_floor_rate_plus_the_allowance() -> None:
+    assert flood_bound(300, 3) == 300 / (FLOOR_REFUSALS_PER_SECOND * 3) + LATENCY_ALLOWANCE_SECONDS
+    # No worker alive is taken as one: the bound stays finite.
+    assert flood_bound(300, 0) == flood_bound(300, 1)
+
+
+def test_a_flood_accounted_and_a_probe_within_the_bound_pass() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_flood(ledger, outbox, db, waited=BOUND - 0.5)
+    result = check(ledger, outbox, db)
+    assert result.violations == []
+    # Each start, the quota and the probe.
+    assert result.checked["flood_fairness"] == 4
+    assert result.stats["flood_probes_judged"] == 1
+    assert result.stats["flood_probes_excused"] == 0
+    [figures] = result.stats["floods"]
+    assert (figures["applied"], figures["refused"]) == (1, 1)
+
+
+def test_a_probe_that_waited_past_the_bound_is_reported() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_flood(ledger, outbox, db, waited=BOUND + 0.5)
+    [found] = flood_violations(check(ledger, outbox, db))
+    assert f"probe run {RUN} behind flood1 (2 starts, 3 workers)" in found
+    assert f"expected its first Notice within {BOUND:.1f} s (2 / (25 x 3) + 10)" in found
+    assert f"found {BOUND + 0.5:.1f} s after its start was sent" in found
+
+
+def test_a_worker_fault_during_the_wait_adds_its_length_to_the_bound() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_flood(ledger, outbox, db, waited=BOUND + 0.5)
+    _infra_fault(ledger, "worker_sigkill", at=1.0, lasted=1.0)
+    assert check(ledger, outbox, db).violations == []
+
+
+def test_a_worker_fault_shorter_than_the_overrun_does_not_excuse_it() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_flood(ledger, outbox, db, waited=BOUND + 2.0)
+    _infra_fault(ledger, "worker_sigterm", at=1.0, lasted=1.0)
+    [found] = flood_violations(check(ledger, outbox, db))
+    assert f"within {BOUND + 1.0:.1f} s (2 / (25 x 3) + 10, with worker_sigterm during it)" in found
+
+
+def test_a_worker_fault_outside_the_wait_adds_nothing() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_flood(ledger, outbox, db, waited=BOUND + 0.5)
+    _infra_fault(ledger, "worker_sigkill", at=-30.0, lasted=1.0)
+    assert len(flood_violations(check(ledger, outbox, db))) == 1
+
+
+def test_a_probe_whose_wait_overlapped_a_server_fault_or_its_recovery_is_excused_and_counted() -> None:
+    for at in (3.0, -SERVER_FAULT_RECOVERY_SECONDS - 1.0):
+        ledger, outbox, db = copy.deepcopy(world())
+        _with_flood(ledger, outbox, db, waited=BOUND * 5)
+        _infra_fault(ledger, "rabbitmq_restart", at=at, lasted=2.0)
+        result = check(ledger, outbox, db)
+        assert result.violations == []
+        assert result.stats["flood_probes_excused"] == 1
+        assert result.stats["flood_probes_judged"] == 0
+        assert result.stats["floods"][0]["excused"] == ["rabbitmq_restart"]
+
+
+def test_a_server_fault_that_found_nothing_to_act_on_excuses_nothing() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_flood(ledger, outbox, db, waited=BOUND + 0.5)
+    _infra_fault(ledger, "pg_restart", at=1.0, lasted=0.0)
+    ledger.faults[-1].done = False  # no local PostgreSQL cluster to stop
+    assert len(flood_violations(check(ledger, outbox, db))) == 1
+
+
+def test_a_server_fault_long_before_the_wait_excuses_nothing() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_flood(ledger, outbox, db, waited=BOUND + 0.5)
+    _infra_fault(ledger, "pg_outage_long", at=-SERVER_FAULT_RECOVERY_SECONDS - 40.0, lasted=30.0)
+    assert len(flood_violations(check(ledger, outbox, db))) == 1
+
+
+def test_a_probe_never_heard_is_reported_even_during_a_server_fault() -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_flood(ledger, outbox, db, waited=1.0)
+    ledger.runs[RUN].first_heard = None
+    _infra_fault(ledger, "pg_restart", at=1.0, lasted=2.0)
+    [found] = flood_violations(check(ledger, outbox, db))
+    assert found.endswith("found never heard")
+
+
+def _refused_start_that_ran(ledger: Ledger, outbox: list[Row], db: dict[str, Any]) -> None:
+    db["runs"][REFUSED] = {**db["runs"][APPLIED], "id": REFUSED}
+
+
+def _applied_start_without_its_run(ledger: Ledger, outbox: list[Row], db: dict[str, Any]) -> None:
+    del db["runs"][APPLIED]
+
+
+def _over_the_quota(ledger: Ledger, outbox: list[Row], db: dict[str, Any]) -> None:
+    ledger.floods[0].quota = 0
+
+
+@pytest.mark.parametrize(
+    ("breakage", "words"),
+    [
+        (_refused_start_that_ran, f"flood1 start run.start start:{REFUSED}"),
+        (_refused_start_that_ran, "expected no run for a start refused quota_exceeded; found a paused run"),
+        (_applied_start_without_its_run, "expected its run, once applied (inbox record); found no run"),
+        (_over_the_quota, f"scope {FLOOD}: expected at most its quota of 0 live runs; found 1 runs"),
+    ],
+)
+def test_each_broken_guarantee_of_a_flood_is_reported(breakage: Breakage, words: str) -> None:
+    ledger, outbox, db = copy.deepcopy(world())
+    _with_flood(ledger, outbox, db, waited=1.0)
+    breakage(ledger, outbox, db)
+    found = flood_violations(check(ledger, outbox, db))
+    assert any(words in v for v in found), found

@@ -79,10 +79,13 @@ def test_the_short_soak_breaks_no_invariant(tmp_path: Path) -> None:
         # Mallory's command with refusal headers forged to name another tenant's key: its dead letter is
         # still shown under mallory's own.
         "forged_dead_letter",
+        # A tenant's burst of starts over its quota, with another tenant's probe run right behind it.
+        "tenant_flood",
     )
     for kind in kinds:
         assert report["faults_by_kind"].get(kind, 0) > 0, (kind, report["faults_by_kind"])
     assert report["commands_refused_at_publish"] > 0, tail
+    assert report["floods"]["starts_refused"] > 0, report["floods"]
     # The 30 s outage needs a local cluster to stop (the harness notes it when there is none).
     no_cluster = any("no local PostgreSQL cluster" in note for note in report["notes"])
     assert no_cluster or report["faults_by_kind"].get("pg_outage_long", 0) > 0, report["faults_by_kind"]

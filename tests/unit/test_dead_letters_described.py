@@ -10,6 +10,7 @@ from typing import Any, cast
 from aio_pika.abc import AbstractIncomingMessage
 
 from intermission.ops.dead import Source, describe
+from intermission.schemas.errors import ALL_ERRORS, IntermissionError
 from intermission.schemas.scope import Scope
 from intermission.wire import DETAIL_HEADER, ERROR_HEADER, ORIGINAL_KEY_HEADER, Command
 
@@ -38,6 +39,21 @@ def test_a_worker_s_copy_is_verified_and_its_key_is_the_delivery_s() -> None:
     )
     assert (letter.source, letter.verified, letter.code, letter.detail) == (Source.WORKER, True, "forbidden", "no")
     assert (letter.routing_key, letter.scope) == (Command.CANCEL.key(SENDER), SENDER)
+
+
+def test_a_start_refused_over_a_quota_or_a_ceiling_is_a_verified_refusal() -> None:
+    for code in ("quota_exceeded", "limit_exceeded"):
+        letter = described(**{ERROR_HEADER: code, DETAIL_HEADER: "at its quota"})
+        assert (letter.source, letter.verified, letter.code) == (Source.WORKER, True, code)
+
+
+def _defined(cls: type[IntermissionError]) -> set[type[IntermissionError]]:
+    return {cls}.union(*(_defined(sub) for sub in cls.__subclasses__() if sub.__module__ == cls.__module__))
+
+
+def test_every_error_the_schemas_define_is_one_the_tools_know() -> None:
+    # A refusal left out of ALL_ERRORS is shown "unknown" (unverified) by the dead-letter tools.
+    assert _defined(IntermissionError) == set(ALL_ERRORS)
 
 
 def test_a_copy_with_a_refusal_no_worker_writes_is_unverified() -> None:
