@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TRANSLATORS = ["agent/loop.py", "integrations/pydantic_ai.py"]
+TRANSLATORS = ["agent/loop.py", "integrations/pydantic_ai.py", "integrations/openai_agents.py"]
 
 # Names an executor has no business with: each is a rule the durable run keeps.
 RULES = {
