@@ -13,15 +13,19 @@ what (docs/integrations.md has the whole table):
   hands the model the rejection instead;
 - the final output completes the run (text, or the JSON of a structured output).
 
-The SDK runs the model and the tools itself, so durability between pauses is added around it:
+The SDK runs the model and the tools itself; the executor translates what it sees of them into the run's
+``DurableRun`` (agent/durable.py), which holds every durability rule, as for the demo agent:
 
-- every model turn goes through a wrapper model that saves the turn (into the envelope) BEFORE the SDK
-  runs any of its calls; a worker that takes the run over replays the saved turns instead of asking the
-  model again, so the SDK reaches the same calls with the same call ids;
-- every tool is wrapped: a tool declared NOT retry-safe (``not_retry_safe``) is written to
-  ``Progress.started`` before it runs, and its result is kept in ``Progress.done``; on a takeover a
-  ``started`` call is never run again (the model is told its outcome is unknown) and a ``done`` result is
-  returned without running the tool. Retry-safe tools simply run again during a replay.
+- every model turn goes through a wrapper model: a new turn is checked and made durable (its response
+  kept in the envelope's ``turns``) BEFORE the SDK runs any of its calls; a worker that takes the run over
+  replays the saved turns instead of asking the model again, so the SDK reaches the same calls with the
+  same call ids;
+- every tool is wrapped and runs through ``DurableRun.run_call``: a tool declared NOT retry-safe
+  (``not_retry_safe``) is written to ``started`` before it runs and its result kept in ``done``; on a
+  takeover a ``started`` call is never run again (the model is told its outcome is unknown) and a ``done``
+  result is returned without running the tool. Retry-safe tools simply run again during a replay;
+- ``max_steps`` is the SDK's ``max_turns`` (its state counts turns across pauses); its refusal fails the run
+  with the limit's error.
 
 External tools (``tool_use_behavior`` stopping at a tool) are left out: see ``UnsupportedAgent``.
 """
@@ -60,24 +64,14 @@ from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessa
 from openai.types.responses.response_prompt_param import ResponsePromptParam
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from intermission import points
-from intermission.agent.executor import ENDINGS, RunContext
+from intermission.agent.durable import OUTCOME_UNKNOWN as OUTCOME_UNKNOWN
+from intermission.agent.durable import DurableRun, Limit, ModelTurn, Ran, Waiting
+from intermission.agent.executor import RunContext
 from intermission.agent.tools import ToolEnv
-from intermission.schemas.answers import approval_group, call_approvers
-from intermission.schemas.config import ExecutionProvenance, RunConfig
-from intermission.schemas.errors import (
-    BudgetExhausted,
-    InvalidContinuation,
-    MaxStepsReached,
-    MaxTokensExceeded,
-    MaxToolCallsReached,
-    PublicationBlocked,
-    UnsupportedConfig,
-)
+from intermission.schemas.config import RunConfig
+from intermission.schemas.errors import InvalidContinuation
 from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome, Usage
-from intermission.schemas.suspension import Continuation, PendingCall, Progress, ProgressResult, SuspendReason
-from intermission.store.runs import Pause
-from intermission.tracing import tool_span
+from intermission.schemas.suspension import SuspendReason
 
 EXECUTOR_NAME = "openai_agents"
 # The envelope ``Continuation.prepared`` holds. Its version changes whenever its shape does; a stored
@@ -85,11 +79,6 @@ EXECUTOR_NAME = "openai_agents"
 # never guessed at (tests/fixtures/openai_agents/ keeps one of each version this module still reads).
 ENVELOPE_FORMAT: Final = "intermission.openai_agents"
 ENVELOPE_VERSION: Final = 1
-
-OUTCOME_UNKNOWN = (
-    "outcome unknown: this call was handed to its tool, and the worker running it stopped before its "
-    "result was saved; it was not run again"
-)
 
 # Why a call needs approval, for the person deciding: (tool name, parsed arguments) -> the pending call's note.
 CallNote = Callable[[str, dict[str, Any]], str]
@@ -163,15 +152,6 @@ def tool_env() -> ToolEnv:
     return _ENV.get()
 
 
-class _Fail(Exception):
-    """The run must fail with ``error``; its session keeps the messages of ``messages_of`` (or the run's)."""
-
-    def __init__(self, error: str, messages_of: Continuation | None = None) -> None:
-        super().__init__(error)
-        self.error = error
-        self.messages_of = messages_of
-
-
 class OpenAIAgentsExecutor:
     """An Intermission executor over an OpenAI Agents SDK ``Agent``.
 
@@ -208,53 +188,28 @@ class OpenAIAgentsExecutor:
         self.run_config = dataclasses.replace(run_config or SdkRunConfig(), tracing_disabled=True)
 
     async def execute(self, ctx: RunContext) -> None:
-        progress = ctx.progress
-        if progress.ending is not None:
-            cont = progress.continuation
-            kind, default = ENDINGS[progress.ending.kind]
-            await ctx.end(kind, error=progress.ending.reason or default, own_messages=_own(cont), continuation=cont)
-            return
-        cont = progress.continuation
+        # The SDK counts the run's turns itself (``max_turns``, kept in its state across pauses).
+        await DurableRun(ctx, executor=EXECUTOR_NAME, framework_limits=(Limit.STEPS,)).drive(self._execute)
+
+    async def _execute(self, run: DurableRun) -> None:
+        cont = run.cont
         if not cont.prepared:
-            cont = await self._fresh(ctx)
-            unsupported = _unsupported(cont.config)
-            if unsupported:
-                # The core checked the config at start; this is what the SDK agent cannot honour on top of
-                # it, refused before the agent runs or anything of the run is saved.
-                error = f"{UnsupportedConfig.code}: {'; '.join(unsupported)}"
-                await ctx.fail(error, _own(cont), continuation=cont)
-                return
-            prepared = Prepared(history=cont.new_messages_from)
+            instructions = self.agent.instructions
+            await run.begin(
+                model=_model_name(self.agent),
+                system_prompt=instructions if isinstance(instructions, str) else "",
+                # What the SDK agent cannot honour on top of what the core checked at start, refused before
+                # the agent runs or anything of the run is saved.
+                unsupported=_unsupported(cont.config),
+            )
+            prepared = Prepared(history=run.cont.new_messages_from)
         else:
             try:
                 prepared = Prepared.decode(cont.prepared)
             except InvalidContinuation as exc:
-                await ctx.fail(f"{InvalidContinuation.code}: {exc.detail}", _own(cont), continuation=cont)
-                return
-        run = _Run(self, ctx, cont, prepared, progress)
-        try:
-            await run.go()
-        except _Fail as failed:
-            await ctx.fail(failed.error, _own(failed.messages_of or run.cont), continuation=run.cont)
-
-    async def _fresh(self, ctx: RunContext) -> Continuation:
-        """A run that never saved anything: its session's history and its input. Nothing is saved yet: a
-        worker that takes the run over before its first turn is saved does exactly this again."""
-        base = ctx.progress.continuation
-        session_id = base.session_id or ctx.run.session_id or ctx.run.id
-        history = await ctx.load_history(session_id)
-        instructions = self.agent.instructions
-        return base.model_copy(
-            update={
-                "messages": [*history, Message(role=Role.USER, content=ctx.run.input)],
-                "new_messages_from": len(history),
-                "system_prompt": instructions if isinstance(instructions, str) else "",
-                "session_id": session_id,
-                "provenance": ExecutionProvenance(
-                    agent_id=ctx.run.agent_id, executor=EXECUTOR_NAME, model=_model_name(self.agent), worker=ctx.owner
-                ),
-            }
-        )
+                await run.fail(f"{InvalidContinuation.code}: {exc.detail}")
+            await run.resume()
+        await _Run(self, run, prepared).go()
 
 
 def _check_agent(agent: Agent[Any]) -> None:
@@ -290,42 +245,28 @@ def _model_name(agent: Agent[Any]) -> str:
 
 
 class _Run:
-    """One run's life in this worker: its continuation, its saved turns, and its calls' bookkeeping."""
+    """One run's life in this worker: the SDK's run over the durable run, and the turns saved since the
+    SDK's state was."""
 
-    def __init__(
-        self,
-        executor: OpenAIAgentsExecutor,
-        ctx: RunContext,
-        cont: Continuation,
-        prepared: Prepared,
-        progress: Progress,
-    ) -> None:
+    def __init__(self, executor: OpenAIAgentsExecutor, run: DurableRun, prepared: Prepared) -> None:
         self.executor = executor
-        self.ctx = ctx
-        self.cont = cont
+        self.run = run
         self.prepared = prepared
         # Saved turns are replayed, in order, before the model is asked anything.
         self.replay = list(prepared.turns)
-        self.started = list(progress.started)
-        self.done = list(progress.done)
-        self.approved = list(progress.approved)
         # What our own code raised inside the SDK's run: the SDK wraps exceptions of models and tools in
         # its own, so the executor re-raises the original once Runner.run returns or raises.
         self.abort: BaseException | None = None
-        # Saves are taken one at a time, each snapshotting the state at the moment it holds the lock: two
-        # non-retry-safe calls the SDK runs at once must never have an older snapshot land last.
-        self.saving = asyncio.Lock()
+        run.prepare_with(self.prepared.encode)
 
     # -- the run --------------------------------------------------------------------------------------
 
     async def go(self) -> None:
-        config = self.cont.config
-        if config.max_steps <= 0:
-            raise _Fail(f"{InvalidContinuation.code}: max_steps is {config.max_steps}")
+        config = self.run.config
         agent = self._agent()
         start: str | list[TResponseInputItem] | RunState[Any]
         if self.prepared.state is None:
-            start = _to_items(self.cont.messages[: self.prepared.history + 1])
+            start = _to_items(self.run.cont.messages[: self.prepared.history + 1])
         else:
             start = await self._restore(agent, self.prepared.state)
         sdk_config = dataclasses.replace(
@@ -340,24 +281,22 @@ class _Run:
             if self.abort is not None:
                 raise self.abort from None
             if isinstance(exc, MaxTurnsExceeded):
-                raise _Fail(f"{MaxStepsReached.code}: the run used all {config.max_steps} steps") from None
+                await self.run.over_limit(Limit.STEPS)
             raise
         if self.abort is not None:
             raise self.abort
-        self.cont = self.cont.model_copy(update={"messages": self._messages(result)})
+        self.run.update(self.run.cont.model_copy(update={"messages": self._messages(result)}))
         if result.interruptions:
             await self._pause(result)
-            return
-        await self.ctx.complete(_output(result.final_output), _own(self.cont), continuation=self.cont)
+        await self.run.complete(_output(result.final_output))
 
     def _agent(self) -> Agent[Any]:
         """The agent as this run may use it: only the tools its stored config allows (so a narrowed list
         holds after every resume), each wrapped, and its model behind the turn-saving wrapper."""
-        config = self.cont.config
         tools: list[SdkTool] = [
             self._wrap(tool)
             for tool in self.executor.agent.tools
-            if isinstance(tool, FunctionTool) and config.allows_tool(tool.name)
+            if isinstance(tool, FunctionTool) and self.run.allows_tool(tool.name)
         ]
         return self.executor.agent.clone(tools=tools, model=_DurableModel(self, _inner_model(self.executor)))
 
@@ -366,43 +305,30 @@ class _Run:
         try:
             state = await RunState.from_string(agent, saved)
         except Exception as exc:
-            raise _Fail(f"{InvalidContinuation.code}: the saved OpenAI Agents state does not load: {exc}") from None
-        denied = {r.call_id: r for r in self.done if r.outcome is ToolOutcome.DENIED}
+            await self.run.fail(f"{InvalidContinuation.code}: the saved OpenAI Agents state does not load: {exc}")
+        denied = {r.call_id: r for r in self.run.results if r.outcome is ToolOutcome.DENIED}
+        approved = set(self.run.approved)
         for item in state.get_interruptions():
             call_id = item.call_id or ""
-            if call_id in self.approved:
+            if call_id in approved:
                 state.approve(item)
             elif call_id in denied:
                 if self.executor.on_denial == "fail":
-                    # The decider's reason is the run's error, as the demo agent does.
-                    raise _Fail(denied[call_id].error or "denied")
+                    await self.run.denied(denied[call_id].error)
                 state.reject(item, rejection_message=f"denied: {denied[call_id].error or 'denied'}")
         return state
 
     async def _pause(self, result: RunResult) -> None:
-        held, deciders = self._approval_group(result.interruptions)
-        pending = []
-        for item in held:
-            arguments = item.arguments or "{}"
-            note = self.executor.note(item.tool_name or "", _arguments(arguments)) if self.executor.note else ""
-            pending.append(
-                PendingCall(id=item.call_id or "", name=item.tool_name or "", arguments=arguments, note=note)
-            )
+        """Pause on the interrupted calls (the durable run groups them by who may decide): the SDK interrupts
+        again, after the decision, for every call this pause left out."""
+        waiting = []
+        for item in result.interruptions:
+            call = ToolCall(id=item.call_id or "", name=item.tool_name or "", arguments=item.arguments or "{}")
+            note = self.executor.note(call.name, _arguments(call.arguments)) if self.executor.note else ""
+            waiting.append(Waiting(call, SuspendReason.APPROVAL, note=note, named_approvers=self._named(item)))
+        # What a pause stores is the SDK's state at the pause: the turns saved since the last one are in it.
         prepared = Prepared(state=result.to_state().to_string(), history=self.prepared.history)
-        cont = self.cont.model_copy(update={"prepared": prepared.encode()})
-        await self.ctx.pause(
-            Pause(reason=SuspendReason.APPROVAL, pending=pending, continuation=cont, approvers=deciders or [])
-        )
-        points.reach(points.AFTER_PAUSE)
-
-    def _approval_group(self, items: list[ToolApprovalItem]) -> tuple[list[ToolApprovalItem], list[str] | None]:
-        """The interrupted calls one pause holds and who may decide it: the demo agent's rule
-        (``approval_group``). Calls that share no decider with the first pause on their own later: the SDK
-        interrupts again for every call left undecided."""
-        config = self.cont.config
-        return approval_group(
-            items, lambda item: call_approvers(config.approvers_for(item.tool_name or ""), self._named(item))
-        )
+        await self.run.pause(waiting, continuation=self.run.cont.model_copy(update={"prepared": prepared.encode()}))
 
     def _named(self, item: ToolApprovalItem) -> list[str]:
         argument = self.executor.approvers_argument
@@ -414,25 +340,8 @@ class _Run:
         return [str(a) for a in named]
 
     def _messages(self, result: RunResult) -> list[Message]:
-        history = self.cont.messages[: self.prepared.history]
+        history = self.run.cont.messages[: self.prepared.history]
         return [*history, *_from_items(result.to_input_list()[self.prepared.history :])]
-
-    # -- saves ----------------------------------------------------------------------------------------
-
-    async def save(self) -> None:
-        async with self.saving:
-            prepared = self.prepared.model_copy(update={"turns": list(self.prepared.turns)})
-            cont = self.cont.model_copy(update={"prepared": prepared.encode()})
-            await self.ctx.save_progress(
-                Progress(
-                    run_id=self.ctx.run.id,
-                    owner=self.ctx.owner,
-                    continuation=cont,
-                    started=list(self.started),
-                    done=list(self.done),
-                    approved=list(self.approved),
-                )
-            )
 
     # -- model turns ----------------------------------------------------------------------------------
 
@@ -447,62 +356,24 @@ class _Run:
             raise
 
     async def _new_turn(self, ask: Callable[[], Awaitable[ModelResponse]]) -> ModelResponse:
-        config = self.cont.config
-        budget = config.budget.max_total_tokens
-        if budget and self.cont.usage.total_tokens >= budget:
-            raise _Fail(f"{BudgetExhausted.code}: {self.cont.usage.total_tokens} of {budget} tokens used")
-        await self.ctx.between_calls()
+        await self.run.before_turn()
         response = await ask()
-        calls = [item for item in response.output if isinstance(item, ResponseFunctionToolCall)]
-        text = _text(response.output)
-        # Counted here: the budget must not rest on what a model reports.
-        usage = self.cont.usage.plus(
-            Usage(
-                input_tokens=response.usage.input_tokens,
-                output_tokens=response.usage.output_tokens,
-                total_tokens=response.usage.total_tokens,
-                tool_calls=len(calls),
-            )
+        calls = [
+            ToolCall(id=item.call_id, name=item.name, arguments=item.arguments)
+            for item in response.output
+            if isinstance(item, ResponseFunctionToolCall)
+        ]
+        usage = Usage(
+            input_tokens=response.usage.input_tokens,
+            output_tokens=response.usage.output_tokens,
+            total_tokens=response.usage.total_tokens,
         )
-        asked = self.cont
-        assistant = Message(
-            role=Role.ASSISTANT,
-            content=text,
-            tool_calls=[ToolCall(id=c.call_id, name=c.name, arguments=c.arguments) for c in calls],
-        )
-        self.cont = self.cont.model_copy(
-            update={
-                "messages": [*self.cont.messages, assistant],
-                "step_index": self.cont.step_index + 1,
-                "usage": usage,
-                "tokens_used": usage.total_tokens,
-            }
-        )
-        if config.max_tokens and response.usage.output_tokens > config.max_tokens:
-            raise _Fail(
-                f"{MaxTokensExceeded.code}: the model's turn took {response.usage.output_tokens} output tokens; "
-                f"a turn may take {config.max_tokens}",
-                messages_of=asked,
-            )
-        published = "\n".join([text, *(f"{c.name} {c.arguments}" for c in calls)])
-        if config.publication.blocks(published):
-            raise _Fail(
-                f"{PublicationBlocked.code}: the model's turn holds a term the run's publication policy blocks",
-                messages_of=asked,
-            )
-        limit = config.budget.max_tool_calls
-        if limit and usage.tool_calls > limit:
-            raise _Fail(
-                f"{MaxToolCallsReached.code}: the turn asks for {len(calls)} tool calls, which would take the run "
-                f"to {usage.tool_calls} of the {limit} it may make",
-                messages_of=asked,
-            )
+        await self.run.model_turn(ModelTurn(text=_text(response.output), calls=calls, usage=usage))
         self.prepared.turns.append(_turn(response))
         if calls:
-            # The turn is durable before the SDK runs any of its calls: a takeover replays it.
-            await self.save()
-            points.reach(points.BETWEEN_STEPS)
-            await self.ctx.boundary()
+            # The SDK runs the turn's calls before it asks this model again: the turn is durable first, and a
+            # takeover replays it.
+            await self.run.boundary()
         return response
 
     # -- tool calls -----------------------------------------------------------------------------------
@@ -521,37 +392,33 @@ class _Run:
     async def call(
         self, name: str, call_id: str, arguments: str, invoke: Callable[[], Awaitable[Any]], retry_safe: bool
     ) -> Any:
-        known = next((r for r in self.done if r.call_id == call_id and r.outcome is not ToolOutcome.DENIED), None)
-        if known is not None:
-            # Ran before this worker (it is not retry-safe): its result, not a second run.
-            return known.content if not known.error else f"error: {known.error}"
-        if any(c.id == call_id for c in self.started):
-            # Handed to its tool by a worker that stopped before saving its result: never again.
-            self.started = [c for c in self.started if c.id != call_id]
-            self.done.append(ProgressResult(call_id=call_id, error=OUTCOME_UNKNOWN, outcome=ToolOutcome.FAILED))
-            return f"error: {OUTCOME_UNKNOWN}"
+        # The tool's own exceptions go to the SDK as they would without this wrapper; ours are re-raised
+        # once the SDK's run is over (``abort``).
+        raised: list[BaseException] = []
+
+        async def execute() -> Any:
+            token = _ENV.set(self.run.tool_env(call_id))
+            try:
+                return await invoke()
+            except BaseException as exc:
+                raised.append(exc)
+                raise
+            finally:
+                _ENV.reset(token)
+
         try:
-            # A run asked to end ends here, before one more call.
-            await self.ctx.between_calls()
-            if not retry_safe:
-                # Written BEFORE the tool gets it: if this worker dies from here on, nobody calls it again.
-                self.started.append(PendingCall(id=call_id, name=name, arguments=arguments))
-                await self.save()
+            outcome = await self.run.run_call(
+                ToolCall(id=call_id, name=name, arguments=arguments), execute, retry_safe=retry_safe, text=str
+            )
         except BaseException as exc:
-            self.abort = exc
+            if not any(exc is mine for mine in raised):
+                self.abort = exc
             raise
-        token = _ENV.set(self.ctx.tool_env(call_id))
-        try:
-            with tool_span(name, call_id, retry_safe=retry_safe):
-                output = await invoke()
-        finally:
-            _ENV.reset(token)
-        if not retry_safe:
-            points.reach(points.AFTER_STARTED)
-            self.started = [c for c in self.started if c.id != call_id]
-            # In memory: it travels with the next save (the next turn, or another call's ``started``).
-            self.done.append(ProgressResult(call_id=call_id, content=str(output), outcome=ToolOutcome.COMPLETED))
-        return output
+        if isinstance(outcome, Ran):
+            return outcome.value
+        # Ran before this worker (reused, not run again), or handed to its tool by a worker that stopped
+        # before saving its result (never run again).
+        return outcome.content if not outcome.error else f"error: {outcome.error}"
 
 
 class _DurableModel(Model):
@@ -737,7 +604,3 @@ def _output(final: Any) -> str:
     if dataclasses.is_dataclass(final) and not isinstance(final, type):
         return json.dumps(dataclasses.asdict(final))
     return json.dumps(final)
-
-
-def _own(cont: Continuation) -> list[Message]:
-    return cont.messages[cont.new_messages_from :]

@@ -19,15 +19,19 @@ at once (``DeferredToolResults``): pydantic-ai refuses results for only some of 
 a turn that needs answers of several kinds pauses once per kind (one reason per pause, as the demo agent
 does), collecting answers in the stored envelope, and only the last resume hands them over.
 
-The guarantees are the demo agent's (agent/loop.py):
+The executor is a translator: every durability rule is the run's ``DurableRun``'s (agent/durable.py), the
+same as for the demo agent. What it translates:
 
-- a step boundary is saved at each node boundary of ``agent.iter`` (a model turn is durable before the
-  first of its calls runs; a turn's tool results are durable before the next model request);
-- a call of a tool declared not retry-safe (``NOT_RETRY_SAFE`` in the tool's metadata, or its name in
-  ``not_retry_safe=``) is written to ``Progress.started`` before it runs; a worker taking the run over
-  never runs it again (the model is told its outcome is unknown), and reuses every result in ``done``;
-- the stored ``RunConfig``'s tool allowlist holds on every request of every segment (``prepare_tools``),
-  as do ``max_steps`` and the budgets, counted across pauses from pydantic-ai's usage.
+- each node boundary of ``agent.iter`` is a durable boundary: a model turn (``CallToolsNode``) is saved
+  before the first of its calls runs; the next model request (``ModelRequestNode``) closes the turn, its
+  results saved in the envelope's history;
+- each tool's execution goes through ``DurableRun.run_call``: a tool declared not retry-safe
+  (``NOT_RETRY_SAFE`` in the tool's metadata, or its name in ``not_retry_safe=``) is written to
+  ``started`` before it runs and never runs again after a takeover (pydantic-ai gets
+  ``ToolFailed(OUTCOME_UNKNOWN)``); pydantic-ai keeps the results of retry-safe calls itself;
+- the stored ``RunConfig``'s tool allowlist holds on every request of every segment (``prepare_tools``);
+  ``max_steps`` and the budgets are handed to pydantic-ai (``UsageLimits``, counted across pauses from its
+  usage), which enforces them inside its own loop, and its refusal fails the run with the limit's error.
 """
 
 from __future__ import annotations
@@ -75,24 +79,14 @@ from pydantic_ai.tool_manager import ToolManager
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.usage import RunUsage
 
-from intermission import points
-from intermission.agent.executor import ENDINGS, RunContext
+from intermission.agent.durable import OUTCOME_UNKNOWN as OUTCOME_UNKNOWN
+from intermission.agent.durable import CallFailed, DurableRun, Limit, ModelTurn, Ran, Waiting
+from intermission.agent.executor import RunContext
 from intermission.agent.tools import ToolEnv
-from intermission.schemas.answers import approval_group, call_approvers
-from intermission.schemas.config import ExecutionProvenance, RunConfig
-from intermission.schemas.errors import (
-    BudgetExhausted,
-    InvalidContinuation,
-    MaxStepsReached,
-    MaxTokensExceeded,
-    MaxToolCallsReached,
-    PublicationBlocked,
-    UnsupportedConfig,
-)
+from intermission.schemas.config import RunConfig
+from intermission.schemas.errors import InvalidContinuation
 from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome, Usage
-from intermission.schemas.suspension import Continuation, Ending, PendingCall, Progress, ProgressResult, SuspendReason
-from intermission.store.runs import Pause
-from intermission.tracing import failed, tool_span
+from intermission.schemas.suspension import Continuation, SuspendReason
 
 # The metadata key of ``CallDeferred(metadata=...)`` that marks a deferred call as a question to another
 # agent, and its value. Chosen here (pydantic-ai has no such kind): ``ask_agent`` builds it.
@@ -106,9 +100,9 @@ ENVELOPE_FORMAT: Final = "intermission.pydantic_ai"
 ENVELOPE_VERSION = 1
 EXECUTOR_NAME = "pydantic_ai"
 
-OUTCOME_UNKNOWN = (
-    "outcome unknown: this call was handed to its handler, and the worker running it stopped before its "
-    "result was saved; it was not run again"
+# What the run fails with when its config asks for a context window (docs/invariants.md, 20).
+UNSUPPORTED_WINDOW = (
+    "context.max_messages is not applied by the pydantic-ai executor; give the agent a history processor instead"
 )
 
 OnDenial = Literal["fail", "continue"]
@@ -209,26 +203,12 @@ def _history_json(messages: Sequence[ModelMessage]) -> Any:
     return json.loads(ModelMessagesTypeAdapter.dump_json(list(messages)))
 
 
-class _Stop(Exception):
-    """The run left this worker (paused or ended)."""
-
-
 @dataclass
 class _State:
-    """One execution's working state: the continuation being built and the per-turn ledger."""
+    """One execution's envelope, and the loaded session history the run's messages begin with."""
 
-    cont: Continuation
     env: Envelope
-    started: list[PendingCall] = field(default_factory=list)
-    done: list[ProgressResult] = field(default_factory=list)
-    # The loaded session history, in Intermission's type, as the run's messages begin with it.
     history: list[Message] = field(default_factory=list)
-
-    def snapshot(self, ctx: RunContext) -> Progress:
-        cont = self.cont.model_copy(update={"prepared": encode(self.env)})
-        return Progress(
-            run_id=ctx.run.id, owner=ctx.owner, continuation=cont, started=list(self.started), done=list(self.done)
-        )
 
 
 class PydanticAIExecutor:
@@ -256,128 +236,81 @@ class PydanticAIExecutor:
         self.deps = deps
 
     async def execute(self, ctx: RunContext) -> None:
-        try:
-            await self._execute(ctx)
-        except _Stop:
-            return
+        # pydantic-ai enforces the limits itself, inside ``agent.iter`` (``UsageLimits``); the durable run
+        # hands it the stored config's and names the refusal.
+        run = DurableRun(ctx, executor=EXECUTOR_NAME, framework_limits=(Limit.STEPS, Limit.TOKENS, Limit.TOOL_CALLS))
+        await run.drive(self._execute)
 
-    async def _execute(self, ctx: RunContext) -> None:
-        progress = ctx.progress
-        if progress.ending is not None:
-            await self._finish_ending(ctx, progress.ending)
-            return
-        cont = progress.continuation
+    async def _execute(self, run: DurableRun) -> None:
+        cont = run.cont
         prompt: str | None = None
         if not cont.prepared:
-            state = await self._begin(ctx)
-            prompt = ctx.run.input
-            config = state.cont.config
-            if config.max_steps <= 0:
-                await self._fail(ctx, state, f"{InvalidContinuation.code}: max_steps is {config.max_steps}")
-            if config.context is not None and config.context.max_messages:
-                # Not silently ignored (docs/invariants.md, 20): this executor shows the agent its whole
-                # history; a window belongs in the agent (a pydantic-ai history processor).
-                await self._fail(
-                    ctx,
-                    state,
-                    f"{UnsupportedConfig.code}: context.max_messages is not applied by the pydantic-ai executor; "
-                    "give the agent a history processor instead",
-                )
+            # A window is not silently ignored (docs/invariants.md, 20): this executor shows the agent its
+            # whole history; a window belongs in the agent (a pydantic-ai history processor).
+            windowed = cont.config.context is not None and cont.config.context.max_messages
+            history = await run.begin(
+                model=cont.config.model or _model_name(self.agent),
+                # pydantic-ai is handed the input as its prompt, and its projection adds it to the messages.
+                with_input=False,
+                unsupported=[UNSUPPORTED_WINDOW] if windowed else [],
+            )
+            native = to_native(history)
+            state = _State(env=Envelope(history=_history_json(native), own_from=len(native)), history=history)
+            prompt = run.run.input
         else:
             try:
                 env = decode(cont.prepared)
             except InvalidContinuation as exc:
                 # Not this executor's state (another executor's, or an envelope version this code does not
                 # know): the run cannot continue, and says why.
-                own = cont.messages[cont.new_messages_from :]
-                await ctx.fail(f"{InvalidContinuation.code}: {exc}", own, continuation=cont)
-                return
-            state = _State(
-                cont=cont,
-                env=env,
-                started=list(progress.started),
-                done=list(progress.done),
-                history=cont.messages[: cont.new_messages_from],
-            )
+                await run.fail(f"{InvalidContinuation.code}: {exc}")
+            await run.resume()
+            state = _State(env=env, history=run.history)
+        run.prepare_with(lambda: encode(state.env))
         results: DeferredToolResults | None = None
         if state.env.batch:
-            results = await self._collect(ctx, state, progress)
-        await self._run(ctx, state, prompt, results)
+            results = await self._collect(run, state)
+        await self._run(run, state, prompt, results)
 
-    async def _begin(self, ctx: RunContext) -> _State:
-        """A fresh run: its session's history, in front of the agent's own. Nothing is saved until its first
-        turn, as with the demo agent: a takeover before that repeats only this read."""
-        base = ctx.progress.continuation
-        session_id = base.session_id or ctx.run.session_id or ctx.run.id
-        history = await ctx.load_history(session_id)
-        native = to_native(history)
-        cont = base.model_copy(
-            update={
-                "messages": list(history),
-                "new_messages_from": len(history),
-                "session_id": session_id,
-                "provenance": ExecutionProvenance(
-                    agent_id=ctx.run.agent_id,
-                    executor=EXECUTOR_NAME,
-                    model=base.config.model or _model_name(self.agent),
-                    worker=ctx.owner,
-                ),
-            }
-        )
-        env = Envelope(history=_history_json(native), own_from=len(native))
-        return _State(cont=cont, env=env, history=list(history))
-
-    async def _collect(self, ctx: RunContext, state: _State, progress: Progress) -> DeferredToolResults | None:
+    async def _collect(self, run: DurableRun, state: _State) -> DeferredToolResults | None:
         """Fold the answers the claim brought into the envelope; pause again for the batch's next kind while
         some call is unanswered; once all are, the results pydantic-ai is handed (all at once)."""
         env = state.env
         answered = {a.call_id for a in env.answers}
-        batch_ids = {c.id for c in env.batch}
-        new: list[Answer] = []
-        ledger: list[ProgressResult] = []
-        for result in progress.done:
-            # A result for a call not yet answered is this claim's answer; one for an answered call is
-            # the ledger of an approved call that ran in an earlier attempt of this segment.
-            if result.call_id in batch_ids and result.call_id not in answered:
-                outcome = _OUTCOMES[result.outcome]
-                new.append(Answer(call_id=result.call_id, outcome=outcome, text=result.error or result.content))
-                answered.add(result.call_id)
-            else:
-                ledger.append(result)
-        for call_id in progress.approved:
-            if call_id in batch_ids and call_id not in answered:
-                new.append(Answer(call_id=call_id, outcome="approved"))
-                answered.add(call_id)
+        # A result for a call not yet answered is this claim's answer; one for an answered call stays in the
+        # ledger: an approved call that ran in an earlier attempt of this segment.
+        results, approvals = run.take_answers({c.id for c in env.batch} - answered)
+        new = [Answer(call_id=r.call_id, outcome=_OUTCOMES[r.outcome], text=r.error or r.content) for r in results]
+        new.extend(Answer(call_id=call_id, outcome="approved") for call_id in approvals)
+        answered.update(a.call_id for a in new)
         state.env = env.model_copy(update={"answers": [*env.answers, *new]})
-        state.done = ledger
         denied = next((a for a in state.env.answers if a.outcome == "denied"), None)
         if denied is not None and self.on_denial == "fail":
-            # The decider's reason is the run's error, as with the demo agent.
-            await self._fail(ctx, state, denied.text or "denied")
+            await run.denied(denied.text)
         if any(c.id not in answered for c in env.batch):
-            await self._pause(ctx, state)
-        results = DeferredToolResults()
+            await self._pause(run, state)
+        deferred = DeferredToolResults()
         kinds = {c.id: c.kind for c in env.batch}
         for answer in state.env.answers:
             if kinds[answer.call_id] == "approval":
-                results.approvals[answer.call_id] = (
+                deferred.approvals[answer.call_id] = (
                     True if answer.outcome == "approved" else ToolDenied(answer.text or "The tool call was denied.")
                 )
             elif answer.outcome == "failed":
-                results.calls[answer.call_id] = PydanticToolFailed(answer.text)
+                deferred.calls[answer.call_id] = PydanticToolFailed(answer.text)
             else:
-                results.calls[answer.call_id] = answer.text
-        return results
+                deferred.calls[answer.call_id] = answer.text
+        return deferred
 
     async def _run(
-        self, ctx: RunContext, state: _State, prompt: str | None, results: DeferredToolResults | None
+        self, run: DurableRun, state: _State, prompt: str | None, results: DeferredToolResults | None
     ) -> None:
-        config = state.cont.config
+        config, cont = run.config, run.cont
         usage = RunUsage(
-            requests=state.cont.step_index,
-            input_tokens=state.cont.usage.input_tokens,
-            output_tokens=state.cont.usage.output_tokens,
-            tool_calls=state.cont.usage.tool_calls,
+            requests=cont.step_index,
+            input_tokens=cont.usage.input_tokens,
+            output_tokens=cont.usage.output_tokens,
+            tool_calls=cont.usage.tool_calls,
         )
         # Explicit limits, always: without them pydantic-ai applies its own 50 requests per segment, which
         # is neither max_steps nor counted across pauses. ``usage`` carries the counts of earlier segments.
@@ -386,7 +319,7 @@ class PydanticAIExecutor:
             total_tokens_limit=config.budget.max_total_tokens or None,
             tool_calls_limit=config.budget.max_tool_calls or None,
         )
-        capability = _Durable(self, ctx, state)
+        capability = _Durable(self, run)
         try:
             # One call at a time, in the model's order: a non-retry-safe call's ``started`` save then
             # carries exactly the calls that ran before it.
@@ -407,30 +340,27 @@ class PydanticAIExecutor:
                 async with iterating as agent_run:
                     async for node in agent_run:
                         if isinstance(node, CallToolsNode):
-                            await self._turn(ctx, state, agent_run.all_messages(), agent_run.usage)
+                            await self._turn(run, state, agent_run.all_messages(), agent_run.usage)
                         elif isinstance(node, ModelRequestNode):
                             messages = agent_run.all_messages()
                             if not messages or messages[-1] is not node.request:
                                 messages = [*messages, node.request]
-                            await self._results(ctx, state, messages, agent_run.usage)
+                            await self._results(run, state, messages, agent_run.usage)
                     result = agent_run.result
         except UsageLimitExceeded as exc:
-            await self._fail(ctx, state, _limit_error(str(exc), config))
+            await run.over_limit(_limit(str(exc)), str(exc))
         except AgentRunError as exc:
-            await self._fail(ctx, state, f"agent_error: {exc}")
+            await run.fail(f"agent_error: {exc}")
         assert result is not None  # the graph ended (iteration finished without raising)
         messages = result.all_messages()
-        self._advance(state, messages, result.usage)
+        run.update(self._advance(run, state, messages, result.usage))
         output = result.output
         if isinstance(output, DeferredToolRequests):
             state.env = state.env.model_copy(
                 update={"batch": _batch(output, messages), "answers": [], "turn": _last_response(messages)}
             )
-            state.started, state.done = [], []
-            await self._pause(ctx, state)
-        text = output if isinstance(output, str) else pydantic_core.to_json(output).decode()
-        await ctx.complete(text, self._own(state), continuation=state.cont)
-        raise _Stop
+            await self._pause(run, state)
+        await run.complete(output if isinstance(output, str) else pydantic_core.to_json(output).decode())
 
     def _settings(self, config: RunConfig) -> ModelSettings | None:
         settings: ModelSettings = dict(self.model_settings or {})  # type: ignore[assignment]
@@ -440,7 +370,9 @@ class PydanticAIExecutor:
             settings["max_tokens"] = config.max_tokens
         return settings or None
 
-    def _advance(self, state: _State, messages: Sequence[ModelMessage], usage: RunUsage) -> None:
+    def _advance(
+        self, run: DurableRun, state: _State, messages: Sequence[ModelMessage], usage: RunUsage
+    ) -> Continuation:
         """The continuation at ``messages``: native history, projected messages, counts from the usage."""
         total = usage.input_tokens + usage.output_tokens
         counted = Usage(
@@ -451,7 +383,7 @@ class PydanticAIExecutor:
         )
         own = from_native(messages[state.env.own_from :])
         state.env = state.env.model_copy(update={"history": _history_json(messages)})
-        state.cont = state.cont.model_copy(
+        return run.cont.model_copy(
             update={
                 "messages": [*state.history, *own],
                 "step_index": usage.requests,
@@ -460,101 +392,46 @@ class PydanticAIExecutor:
             }
         )
 
-    async def _turn(self, ctx: RunContext, state: _State, messages: list[ModelMessage], usage: RunUsage) -> None:
-        """A model turn arrived (or a takeover is shown a saved one again): save it before its calls run."""
+    async def _turn(self, run: DurableRun, state: _State, messages: list[ModelMessage], usage: RunUsage) -> None:
+        """A model turn arrived (or a takeover is shown a saved one again): a durable boundary before its
+        calls run."""
         turn = _last_response(messages)
         # Counted first: a turn refused below still cost its tokens and its step.
-        self._advance(state, messages, usage)
+        run.update(self._advance(run, state, messages, usage))
         if turn != state.env.turn:
-            # A new turn: its ledger starts empty. The SAME turn again (a takeover, a resume) keeps the
-            # saved ledger: resetting it there would run a started non-retry-safe call a second time.
-            state.started, state.done = [], []
+            # A new turn. The SAME turn again (a takeover, a resume) is not checked again, and keeps the
+            # ledger the snapshot saved for it.
             state.env = state.env.model_copy(update={"turn": turn, "batch": [], "answers": []})
             response = messages[turn]
             assert isinstance(response, ModelResponse)
-            limit = state.cont.config.max_tokens
-            if limit and response.usage.output_tokens > limit:
-                # The model was told the limit; a turn past it is not used (nor kept), whatever it says.
-                await self._fail(
-                    ctx,
-                    state,
-                    f"{MaxTokensExceeded.code}: the model's turn took {response.usage.output_tokens} output tokens; "
-                    f"a turn may take {limit}",
-                    messages=messages[:turn],
-                )
-            if state.cont.config.publication.blocks(_published_text(response)):
-                # Nothing of the turn goes out: no call runs, no Notice, nothing into the session.
-                await self._fail(
-                    ctx,
-                    state,
-                    f"{PublicationBlocked.code}: the model's turn holds a term the run's publication policy blocks",
-                    messages=messages[:turn],
-                )
-        await ctx.save_progress(state.snapshot(ctx))
-        points.reach(points.BETWEEN_STEPS)
-        await ctx.boundary()
+            await run.counted_turn(_model_turn(response), kept=from_native(messages[state.env.own_from : turn]))
+        await run.boundary()
 
-    async def _results(self, ctx: RunContext, state: _State, messages: list[ModelMessage], usage: RunUsage) -> None:
+    async def _results(self, run: DurableRun, state: _State, messages: list[ModelMessage], usage: RunUsage) -> None:
         """The next model request is ready: when it carries the last turn's results, that is the turn's
-        boundary. The run's first request (the prompt) is not saved, as the demo agent saves nothing
-        before its first turn."""
+        boundary. The run's first request (the prompt) is not a boundary: nothing is saved before a run's
+        first turn."""
         if not any(isinstance(m, ModelResponse) for m in messages[state.env.own_from :]):
             return
-        self._advance(state, messages, usage)
+        run.update(self._advance(run, state, messages, usage))
         # The turn is closed: its results are in the history, its batch handed over.
         state.env = state.env.model_copy(update={"batch": [], "answers": []})
-        state.started, state.done = [], []
-        await ctx.save_progress(state.snapshot(ctx))
-        points.reach(points.BETWEEN_STEPS)
-        await ctx.boundary()
+        await run.close_turn()
 
-    async def _pause(self, ctx: RunContext, state: _State) -> None:
-        """Pause for the first unanswered call's kind: every unanswered call of that kind (an agent question
-        alone; approvals grouped by who may decide them)."""
+    async def _pause(self, run: DurableRun, state: _State) -> None:
+        """Pause on the batch's unanswered calls, in the model's order (the durable run picks the first's kind)."""
         answered = {a.call_id for a in state.env.answers}
-        waiting = [c for c in state.env.batch if c.id not in answered]
-        kind = waiting[0].kind
-        reason = SuspendReason(kind)
-        group = [c for c in waiting if c.kind == kind]
-        deciders: list[str] | None = None
-        if reason is SuspendReason.AGENT_REPLY:
-            group = group[:1]
-        elif reason is SuspendReason.APPROVAL:
-            group, deciders = _approval_group(group, state.cont.config)
-        pending = [
-            PendingCall(
-                id=c.id,
-                name=c.name,
-                arguments=c.arguments,
-                # A fresh token per question: a call id alone may be reused by a later model response.
-                reply_with=f"rw-{uuid.uuid4().hex}" if reason is SuspendReason.AGENT_REPLY else "",
-                note=str(c.metadata.get("note", "")) if reason is SuspendReason.APPROVAL else "",
-            )
-            for c in group
-        ]
-        cont = state.cont.model_copy(update={"prepared": encode(state.env)})
-        await ctx.pause(Pause(reason=reason, pending=pending, continuation=cont, approvers=deciders or []))
-        points.reach(points.AFTER_PAUSE)
-        raise _Stop
-
-    async def _fail(
-        self, ctx: RunContext, state: _State, error: str, *, messages: Sequence[ModelMessage] | None = None
-    ) -> None:
-        own = self._own(state) if messages is None else from_native(list(messages)[state.env.own_from :])
-        cont = state.cont.model_copy(update={"prepared": encode(state.env)})
-        await ctx.fail(error, own, continuation=cont)
-        raise _Stop
-
-    async def _finish_ending(self, ctx: RunContext, ending: Ending) -> None:
-        cont = ctx.progress.continuation
-        kind, default = ENDINGS[ending.kind]
-        own = cont.messages[cont.new_messages_from :]
-        await ctx.end(kind, error=ending.reason or default, own_messages=own, continuation=cont)
-
-    @staticmethod
-    def _own(state: _State) -> list[Message]:
-        """The run's own messages: never the history it loaded."""
-        return state.cont.messages[state.cont.new_messages_from :]
+        await run.pause(
+            [
+                Waiting(
+                    ToolCall(id=c.id, name=c.name, arguments=c.arguments),
+                    SuspendReason(c.kind),
+                    note=str(c.metadata.get("note", "")) if c.kind == "approval" else "",
+                )
+                for c in state.env.batch
+                if c.id not in answered
+            ]
+        )
 
     def retry_safe(self, tool: ToolDefinition) -> bool:
         if tool.name in self.not_retry_safe:
@@ -563,20 +440,18 @@ class PydanticAIExecutor:
 
 
 class _Durable(AbstractCapability[Any]):
-    """The hooks pydantic-ai calls for every request and call: the run's tool allowlist, and the ledger
-    of non-retry-safe calls around each tool's execution."""
+    """The hooks pydantic-ai calls for every request and call: the run's tool allowlist, and each tool's
+    execution through the durable run."""
 
-    def __init__(self, executor: PydanticAIExecutor, ctx: RunContext, state: _State) -> None:
+    def __init__(self, executor: PydanticAIExecutor, run: DurableRun) -> None:
         self.executor = executor
-        self.ctx = ctx
-        self.state = state
+        self.run = run
 
     async def prepare_tools(
         self, ctx: PydanticRunContext[Any], tool_defs: list[ToolDefinition]
     ) -> list[ToolDefinition]:
         # From the config stored with the run, on every request of every segment: a resume never widens it.
-        config = self.state.cont.config
-        return [t for t in tool_defs if config.allows_tool(t.name)]
+        return [t for t in tool_defs if self.run.allows_tool(t.name)]
 
     async def wrap_tool_execute(
         self,
@@ -587,56 +462,34 @@ class _Durable(AbstractCapability[Any]):
         args: Any,
         handler: Any,
     ) -> Any:
-        state, run = self.state, self.ctx
         call_id = call.tool_call_id
-        known = next((r for r in state.done if r.call_id == call_id), None)
-        if known is not None:
-            # Ran in an earlier attempt of this turn and its result was saved: reuse it.
-            if known.outcome is ToolOutcome.COMPLETED:
-                return known.content
-            raise PydanticToolFailed(known.error)
-        if any(c.id == call_id for c in state.started):
-            # Handed to its handler by a worker that stopped before saving the result: never again.
-            state.started = [c for c in state.started if c.id != call_id]
-            state.done = [
-                *state.done,
-                ProgressResult(call_id=call_id, error=OUTCOME_UNKNOWN, outcome=ToolOutcome.FAILED),
-            ]
-            raise PydanticToolFailed(OUTCOME_UNKNOWN)
-        # A run asked to end ends here, before one more call.
-        await run.between_calls()
-        retry_safe = self.executor.retry_safe(tool_def)
-        if not retry_safe:
-            # Written BEFORE the handler gets it, with everything the turn has done so far.
-            state.started = [
-                *state.started,
-                PendingCall(id=call_id, name=call.tool_name, arguments=call.args_as_json_str()),
-            ]
-            await run.save_progress(state.snapshot(run))
-        token = _tool_env.set(run.tool_env(call_id))
-        try:
-            with tool_span(call.tool_name, call_id, retry_safe=retry_safe) as span:
-                try:
-                    outcome = await handler(args)
-                except PydanticToolFailed:
-                    failed(span, "tool failed")
-                    raise
-        except PydanticToolFailed as exc:
-            if not retry_safe:
-                self._finished(ProgressResult(call_id=call_id, error=exc.message, outcome=ToolOutcome.FAILED))
-            raise
-        finally:
-            _tool_env.reset(token)
-        if not retry_safe:
-            self._finished(ProgressResult(call_id=call_id, content=_as_text(outcome), outcome=ToolOutcome.COMPLETED))
-        return outcome
+        failure: list[PydanticToolFailed] = []
 
-    def _finished(self, result: ProgressResult) -> None:
-        points.reach(points.AFTER_STARTED)
-        # In memory: it travels with the turn's next save (a later call's ``started``, or the boundary).
-        state = self.state
-        state.started = [c for c in state.started if c.id != result.call_id]
-        state.done = [*state.done, result]
+        async def execute() -> Any:
+            token = _tool_env.set(self.run.tool_env(call_id))
+            try:
+                return await handler(args)
+            except PydanticToolFailed as exc:
+                failure.append(exc)
+                raise CallFailed(exc.message) from exc
+            finally:
+                _tool_env.reset(token)
+
+        outcome = await self.run.run_call(
+            ToolCall(id=call_id, name=call.tool_name, arguments=call.args_as_json_str()),
+            execute,
+            retry_safe=self.executor.retry_safe(tool_def),
+            text=_as_text,
+        )
+        if isinstance(outcome, Ran):
+            return outcome.value
+        if failure:
+            raise failure[0]
+        if outcome.outcome is ToolOutcome.COMPLETED:
+            # Ran in an earlier attempt of this turn and its result was saved: reused.
+            return outcome.content
+        # Failed before, or handed to its handler by a worker that stopped before saving its result.
+        raise PydanticToolFailed(outcome.error)
 
 
 def _as_text(value: Any) -> str:
@@ -681,25 +534,26 @@ def _batch(requests: DeferredToolRequests, messages: Sequence[ModelMessage]) -> 
     ]
 
 
-def _approval_group(group: list[DeferredCall], config: RunConfig) -> tuple[list[DeferredCall], list[str] | None]:
-    """The approval calls one pause holds and who may decide it, as the demo agent groups them
-    (``approval_group``): by the host-named deciders (``RunConfig.approvers``) alone, since a pydantic-ai
-    tool has no argument convention for the model to name approvers."""
-    return approval_group(group, lambda call: call_approvers(config.approvers_for(call.name), []))
-
-
-def _limit_error(message: str, config: RunConfig) -> str:
+def _limit(message: str) -> Limit:
+    """The limit a pydantic-ai ``UsageLimitExceeded`` names."""
     if "request_limit" in message:
-        return f"{MaxStepsReached.code}: the run used all {config.max_steps} steps"
+        return Limit.STEPS
     if "tool_calls_limit" in message:
-        return f"{MaxToolCallsReached.code}: {message}"
-    return f"{BudgetExhausted.code}: {message}"
+        return Limit.TOOL_CALLS
+    return Limit.TOKENS
 
 
-def _published_text(response: ModelResponse) -> str:
-    texts = [p.content for p in response.parts if isinstance(p, TextPart)]
-    calls = [f"{p.tool_name} {p.args_as_json_str()}" for p in response.parts if isinstance(p, ToolCallPart)]
-    return "\n".join([*texts, *calls])
+def _model_turn(response: ModelResponse) -> ModelTurn:
+    """A pydantic-ai response in the durable run's terms (its text parts one per line)."""
+    return ModelTurn(
+        text="\n".join(p.content for p in response.parts if isinstance(p, TextPart)),
+        calls=[
+            ToolCall(id=p.tool_call_id, name=p.tool_name, arguments=p.args_as_json_str())
+            for p in response.parts
+            if isinstance(p, ToolCallPart)
+        ],
+        usage=Usage(output_tokens=response.usage.output_tokens),
+    )
 
 
 def to_native(messages: Sequence[Message]) -> list[ModelMessage]:
