@@ -38,7 +38,7 @@ from intermission.schemas.commands import (
 from intermission.schemas.errors import ResumeAdmissionNotFound, RunConflict, RunExists
 from intermission.schemas.llm import Role
 from intermission.schemas.run import Lease, NewRun, RunState
-from intermission.schemas.scope import Scope
+from intermission.schemas.scope import Reach, Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import ClaimVersion, Notice, Progress, SuspendReason, Suspension
 from intermission.store import Stores
@@ -568,6 +568,55 @@ async def test_takeovers_of_lapsed_runs_of_one_id_in_two_scopes_take_each_with_i
         ("acme", "t2", alone.owner, alone.owner),
         ("globex", "t1", taker.owner, taker.owner),
     ]
+
+
+async def test_another_worker_takes_over_runs_of_one_id_in_two_scopes_and_ends_each_its_own_way(
+    stores: Stores, db: Inspector, w: Worker
+) -> None:
+    """Runs of one id whose worker died mid-run: the surviving worker's reclaim sweep continues both."""
+    run_id = shared_id()
+    dead = Lease(owner="a-worker-that-died", ttl_seconds=0.2)
+    for s in (A, B):
+        started = start_command(s, [{"say": f"done in {s}"}], run_id=run_id)
+        assert await stores.commands.start(started, DEFAULTS, dead) is not None
+    await w.drain(wait_for_lapsed=True)
+    for s in (A, B):
+        assert await run_state(db, s, run_id) == {
+            "state": "completed",
+            "revision": 1,
+            "input": "please help",
+            "output": f"done in {s}",
+            "error": None,
+            "lease_owner": None,
+        }
+
+
+async def test_the_console_shows_each_scopes_run_of_an_id_only_to_whom_that_scope_is_granted(
+    stores: Stores,
+) -> None:
+    run_id = shared_id()
+    mine = await paused_run(stores, A, run_id=run_id, reason=SuspendReason.APPROVAL)
+    theirs = await paused_run(stores, B, run_id=run_id, reason=SuspendReason.APPROVAL)
+    only_a = stores.granted(Reach(scopes=(A,)))
+    both = stores.granted(Reach(scopes=(A, B)))
+
+    seen = await only_a.run(A, run_id)
+    assert seen is not None
+    assert seen.pause is not None
+    assert (seen.run.scope, seen.pause.suspension_id) == (A, mine.suspension.id)
+    assert [k.suspension_id for k in seen.checkpoints] == [mine.suspension.id]
+    assert await only_a.run(B, run_id) is None  # as if there were no such run
+    assert [(x.scope, x.suspension_id) for x in await only_a.approvals()] == [(A, mine.suspension.id)]
+    for scope, paused in ((A, mine), (B, theirs)):
+        view = await both.run(scope, run_id)
+        assert view is not None
+        assert view.pause is not None
+        assert (view.run.scope, view.pause.suspension_id) == (scope, paused.suspension.id)
+        assert [k.suspension_id for k in view.checkpoints] == [paused.suspension.id]
+        assert [h.data["suspension_id"] for h in view.history] == [paused.suspension.id]
+    assert sorted((x.scope.app, x.suspension_id) for x in await both.approvals()) == sorted(
+        [(A.app, mine.suspension.id), (B.app, theirs.suspension.id)]
+    )
 
 
 # --- pruning ---------------------------------------------------------------------------------------------
