@@ -1688,13 +1688,6 @@ CREATE INDEX run_events_by_run ON public.run_events USING btree (app, tenant, ru
 
 
 --
--- Name: runs_by_id; Type: INDEX; Schema: public; Owner: -
---
-
-CREATE INDEX runs_by_id ON public.runs USING btree (id);
-
-
---
 -- Name: runs_by_session; Type: INDEX; Schema: public; Owner: -
 --
 
@@ -1712,7 +1705,7 @@ CREATE INDEX runs_ended_by_age ON public.runs USING btree (ended_at) WHERE (ende
 -- Name: runs_running; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX runs_running ON public.runs USING btree (id) WHERE (state = 'running'::public.run_state);
+CREATE INDEX runs_running ON public.runs USING btree (app, tenant, id) WHERE (state = 'running'::public.run_state);
 
 
 --
@@ -1832,4 +1825,4 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (12, 'operations', '756d0ea526c2ac453284a821137715012f433477c67d62ab9bb66292fd4bc1c3'),
     (13, 'marks_by_key', '581e07eb5ec33d932776bb2195c8a0aeb48487355734560272acc130e4bf5ed5'),
     (14, 'scope_quotas', '6edfbf43e7b5d68410c5f3b5764deb47dea29e39e98809220c83d5f38bd2fda1'),
-    (15, 'runs_keyed_by_scope', 'ca3cb807c6976965ea8c48a19908b5345bd02fb4f234896f1b1e8b2bf8139d4b');
+    (15, 'runs_keyed_by_scope', '0345a9856727c9c5261df3c13e6fa479b4fa9e433e04e46c19271e97007b1b09');

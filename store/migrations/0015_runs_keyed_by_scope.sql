@@ -9,8 +9,11 @@
 --
 -- What changes:
 --   * runs: PRIMARY KEY (app, tenant, id). runs_by_scope, which held exactly those columns, goes (the key
---     serves its readers); runs_by_id (id), not unique, serves operators' lookups by id alone (`runs show
---     RUN` finding the scopes an id is in).
+--     serves its readers). No index of runs leads with the id alone any more: on a table not analysed yet
+--     the planner takes a one-column index on id for as cheap as the key, and walks every scope's run of
+--     that id on each claim and end (tests/integration/test_planner_proof.py). So runs_running, the
+--     reclaim sweep's index of running runs, holds their key instead of their id, and operators' lookup of
+--     an id in every scope (`runs show RUN`) walks the key scope by scope (find_run_scopes).
 --   * progress: PRIMARY KEY (app, tenant, run_id); suspensions_one_per_run UNIQUE (app, tenant, run_id);
 --     resume_admissions, _starts, _expiries, _closures: PRIMARY KEY (app, tenant, run_id, suspension_id);
 --     each foreign key that named runs (id) or an admission or start by (run_id, suspension_id) names the
@@ -32,15 +35,15 @@
 -- What it costs: it is one transaction (migrate.py runs each file in one), and ALTER TABLE takes an ACCESS
 -- EXCLUSIVE lock on each table it changes, held to the commit: every table of runs is unreadable and
 -- unwritable until the whole file has run, so workers' transitions wait (they do not fail) for that long.
--- The work is a sort per key and index rebuilt (runs twice, progress, the four resume tables, suspensions,
--- the pending checkpoints, run_events, outbox, demo_charges), one pass over each referencing table per
--- foreign key and per scope check, and a rewrite of demo_charges; it grows with the tables' sizes (a little
--- faster than linearly), ended runs and unpruned history included. Measured on the project's machine
--- (PostgreSQL 15, two cores; docs/operations.md, "Run ids within a scope (migration 0015)"): about 12 s for
--- 200,000 runs with 600,000 run events, 400,000 outbox rows, 200,000 each of inbox records, admissions,
--- starts, closures, session messages and demo charges, and 50,000 pauses, checkpoints and snapshots (585 MB
--- in all); about 4 s for half of that. Prune what retention allows first (`intermission prune`) and apply
--- it when few commands are in flight.
+-- The work is a sort per key and index rebuilt (runs' key and its running runs, progress, the four resume
+-- tables, suspensions, the pending checkpoints, run_events, outbox, demo_charges), one pass over each
+-- referencing table per foreign key and per scope check, and a rewrite of demo_charges; it grows with the
+-- tables' sizes (a little faster than linearly), ended runs and unpruned history included. Measured on the
+-- project's machine (PostgreSQL 15, two cores; docs/operations.md, "Run ids within a scope"): 10 to 12 s
+-- for 200,000 runs with 600,000 run events, 400,000 outbox rows, 200,000 each of inbox records,
+-- admissions, starts, closures, session messages and demo charges, and 50,000 pauses, checkpoints and
+-- snapshots (585 MB in all); 4 to 6 s for half of that. Prune what retention allows first (`intermission
+-- prune`) and apply it when few commands are in flight.
 
 -- The rows of run-keyed tables whose scope is not their run's, and the demo charges without a run: either
 -- stops the migration (see above).
@@ -92,7 +95,9 @@ ALTER TABLE progress DROP CONSTRAINT progress_run_id_fkey;
 ALTER TABLE runs DROP CONSTRAINT runs_pkey;
 ALTER TABLE runs ADD CONSTRAINT runs_pkey PRIMARY KEY (app, tenant, id);
 DROP INDEX runs_by_scope;
-CREATE INDEX runs_by_id ON runs (id);
+-- The reclaim sweep reads the running runs whatever the index holds; a lease renewal changes none of it.
+DROP INDEX runs_running;
+CREATE INDEX runs_running ON runs (app, tenant, id) WHERE state = 'running';
 
 ALTER TABLE progress DROP CONSTRAINT progress_pkey;
 ALTER TABLE progress ADD CONSTRAINT progress_pkey PRIMARY KEY (app, tenant, run_id);

@@ -139,8 +139,25 @@ SELECT host(inet_server_addr()) AS address, inet_server_port() AS port;
 
 -- find_run_scopes --
 -- Operators: the scopes a run id is found in (a run id is unique only within its scope), so that
--- `intermission runs show RUN` needs no --app/--tenant when the id names one run. $1 run id
-SELECT app, tenant FROM runs WHERE id = $1 ORDER BY app, tenant;
+-- `intermission runs show RUN` needs no --app/--tenant when the id names one run. No index leads with the
+-- id alone (migration 0015: the planner would take one for the key), so this walks the key scope by scope:
+-- each next scope found by one probe of the key past the last (a loose index scan), then the id probed in
+-- it. It costs two probes per scope that has runs, never a pass over the runs. $1 run id
+WITH RECURSIVE scopes AS (
+    (SELECT r.app, r.tenant FROM runs r ORDER BY r.app, r.tenant LIMIT 1)
+    UNION ALL
+    SELECT n.app, n.tenant
+      FROM scopes s
+     CROSS JOIN LATERAL (
+         SELECT r.app, r.tenant FROM runs r
+          WHERE (r.app, r.tenant) > (s.app, s.tenant)
+          ORDER BY r.app, r.tenant
+          LIMIT 1) n
+)
+SELECT s.app, s.tenant
+  FROM scopes s
+ WHERE EXISTS (SELECT 1 FROM runs r WHERE r.app = s.app AND r.tenant = s.tenant AND r.id = $1)
+ ORDER BY s.app, s.tenant;
 
 -- list_run_summaries --
 -- Operators (`intermission runs list`): runs newest change first, each with its live pause's reason and
