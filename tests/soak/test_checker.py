@@ -398,7 +398,10 @@ def test_a_run_of_a_planned_id_at_another_scope_is_another_run_the_harness_never
     ledger, outbox, db = copy.deepcopy(world())
     db["runs"][(MALLORY.app, MALLORY.tenant, RUN)] = {**db["runs"][KEY], "app": MALLORY.app, "tenant": MALLORY.tenant}
     found = [str(v) for v in check(ledger, outbox, db).violations]
-    assert found == [
+    assert [v for v in found if v.startswith("[runs_settled]")] == [
         f"[runs_settled] run {RUN} of soak-foreign/mallory: expected only runs the harness started;"
         " found a completed run"
     ]
+    # Everything found is about the foreign run (here: it wrote no events); the plan's run passes.
+    assert found
+    assert all(f"run {RUN} of soak-foreign/mallory" in v for v in found), found
