@@ -314,6 +314,8 @@ async def test_a_cancel_in_one_scope_leaves_the_other_scopes_run_of_that_id_as_i
     for s in scopes:
         await streams[s].wait_for(lambda got: heard(got, "notice."), within=WAIT, what=f"the Notice of {s}")
     await worker.fleet.drain()
+    # A Notice is marked sent once its publisher confirm is back, which may be after it was heard.
+    await db.wait_until("SELECT bool_and(sent_at IS NOT NULL) FROM outbox WHERE run_id = $1", run_id)
     untouched = await rows_of(db, B, run_id)
 
     await host.cancel(CancelCommand(scope=A, run_id=run_id, reason="no longer needed"))
