@@ -102,7 +102,8 @@ class RunContext:
     ) -> None:
         # Every write after the claim uses the run's STORED scope, never the caller's.
         self._store = stores.at(run.scope)
-        self._ledger = stores.ledger
+        # The demo ledger books a tool's charges under the run's stored scope too.
+        self._ledger = self._store.ledger
         self.run = run
         self.progress = progress
         self.lease = lease

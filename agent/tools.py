@@ -37,7 +37,8 @@ class ToolFailed(Exception):
 
 
 class Ledger(Protocol):
-    """Where the demo's ``charge`` tool books a charge (``store.ledger.DemoLedger``): one row per call."""
+    """Where the demo's ``charge`` tool books a charge (``store.ledger.DemoLedger``): one row per call, under
+    the scope of the run the tool runs for (the ledger a tool is given is bound to it)."""
 
     async def charge(self, run_id: str, call_id: str, amount: Decimal) -> int: ...
 

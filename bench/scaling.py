@@ -181,11 +181,17 @@ async def load(con: asyncpg.Connection[Any], docs: dict[str, str], first: int, l
 
 
 async def suspension_ids(con: asyncpg.Connection[Any], numbers: list[int]) -> dict[int, int]:
+    # Each run by its key (a run id is unique only within its scope).
     found = await con.fetch(
-        "SELECT run_id, id FROM suspensions WHERE run_id = ANY($1::text[])", [run_id(n) for n in numbers]
+        "SELECT s.app, s.tenant, s.run_id, s.id FROM suspensions s"
+        " JOIN unnest($1::text[], $2::text[], $3::text[]) AS k (app, tenant, run_id)"
+        " ON s.app = k.app AND s.tenant = k.tenant AND s.run_id = k.run_id",
+        [scope_of(n).app for n in numbers],
+        [scope_of(n).tenant for n in numbers],
+        [run_id(n) for n in numbers],
     )
-    by_run = {r["run_id"]: r["id"] for r in found}
-    return {n: by_run[run_id(n)] for n in numbers}
+    by_run = {(r["app"], r["tenant"], r["run_id"]): r["id"] for r in found}
+    return {n: by_run[(scope_of(n).app, scope_of(n).tenant, run_id(n))] for n in numbers}
 
 
 async def time_claims(

@@ -65,7 +65,8 @@ class LeaseKeeper:
         self._ttl = ttl_seconds
         self._renew_every = renew_every
         self._supervisor = supervisor
-        self._holdings: dict[str, Holding] = {}
+        # By the run's key (its id within its scope): one worker may hold runs of one id in two scopes.
+        self._holdings: dict[HeldRun, Holding] = {}
         self._stopped = asyncio.Event()
 
     @property
@@ -88,15 +89,15 @@ class LeaseKeeper:
         holding = Holding(
             HeldRun(run_id, scope), owner or self._owner, on_lost, on_ending, time.monotonic() + self._ttl
         )
-        self._holdings[run_id] = holding
+        self._holdings[holding.held] = holding
         if not self._stopped.is_set() and not self._supervisor.running(LEASE_TASK):
             self._supervisor.start(LEASE_TASK, self._keep)
         return holding
 
     def release(self, holding: Holding) -> None:
         """Stop renewing: the run paused, ended, was released or lost."""
-        if self._holdings.get(holding.held.run_id) is holding:
-            del self._holdings[holding.held.run_id]
+        if self._holdings.get(holding.held) is holding:
+            del self._holdings[holding.held]
 
     async def renew_once(self) -> None:
         """One tick: renew every held lease in one statement (one per lease owner, and a worker's runs all
@@ -114,23 +115,31 @@ class LeaseKeeper:
         except IntermissionError as exc:
             now = time.monotonic()
             for h in batch:
-                if self._holdings.get(h.held.run_id) is h and now >= h.held_until:
+                if self._holdings.get(h.held) is h and now >= h.held_until:
                     log.warning(
                         "lease may have lapsed while the database was unreachable; giving the run up",
-                        extra={"action": "lease_abandoned", "run_id": h.held.run_id, "error": exc.code},
+                        extra={
+                            "action": "lease_abandoned",
+                            "run_id": h.held.run_id,
+                            "scope": str(h.held.scope),
+                            "error": exc.code,
+                        },
                     )
                     self._give_up(h)
             log.info("lease renewal failed; retrying", extra={"action": "lease_retry", "error": exc.code})
             return
         for h in batch:
-            if self._holdings.get(h.held.run_id) is not h:
+            if self._holdings.get(h.held) is not h:
                 continue  # it left while the renewal was in flight: nothing to tell it
-            found = renewed.get(h.held.run_id)
+            found = renewed.get(h.held)
             if found is None:
                 # Either the lease passed on (the run's task is then stopped, and says so) or the run just
                 # left running by its own pause or end, committed while this renewal ran: the run's holder
                 # tells the two apart (Fleet), so this is not yet news.
-                log.info("lease not renewed", extra={"action": "lease_not_renewed", "run_id": h.held.run_id})
+                log.info(
+                    "lease not renewed",
+                    extra={"action": "lease_not_renewed", "run_id": h.held.run_id, "scope": str(h.held.scope)},
+                )
                 self._give_up(h)
                 continue
             h.held_until = asked_at + self._ttl

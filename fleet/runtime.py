@@ -75,7 +75,8 @@ class Fleet:
         self.settings = settings
         self.executor = executor
         self.owner = owner or incarnation()
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Each run's task, by the run's key: its scope and id (an id is unique only within its scope).
+        self._tasks: dict[tuple[Scope, str], asyncio.Task[None]] = {}
         self.admission = Admission(settings.runs_in_flight, lambda: len(self._tasks))
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()
@@ -121,22 +122,23 @@ class Fleet:
     def submit(self, claimed: Claimed, *, taken_over: bool = False) -> asyncio.Task[None]:
         """Run a claimed run under this worker's lease until it pauses, ends, or leaves this worker.
         ``taken_over``: the run's worker died and this one took it over (its span says so)."""
-        run_id = claimed.run.id
-        existing = self._tasks.get(run_id)
+        # A run's key is its id within its scope: this worker may run "r1" of two scopes side by side.
+        key = (claimed.run.scope, claimed.run.id)
+        existing = self._tasks.get(key)
         if existing is not None and not existing.done():
             # Only one claim can hold the run; a second submit of it is a bug upstream, not a second run.
-            raise RuntimeError(f"run {run_id} is already running in this worker")
+            raise RuntimeError(f"run {claimed.run.id} of {claimed.run.scope} is already running in this worker")
         # The task copies the context it is created in: the span of the command that claimed the run is
         # current in it, and the run's span starts from there (fleet/run_spans.py).
-        task = asyncio.create_task(self._run(claimed, taken_over), name=f"run:{run_id}")
-        self._tasks[run_id] = task
+        task = asyncio.create_task(self._run(claimed, taken_over), name=f"run:{claimed.run.scope}/{claimed.run.id}")
+        self._tasks[key] = task
         self._idle.clear()
-        task.add_done_callback(lambda t: self._forget(run_id, t))
+        task.add_done_callback(lambda t: self._forget(key, t))
         return task
 
-    def _forget(self, run_id: str, task: asyncio.Task[None]) -> None:
-        if self._tasks.get(run_id) is task:
-            del self._tasks[run_id]
+    def _forget(self, key: tuple[Scope, str], task: asyncio.Task[None]) -> None:
+        if self._tasks.get(key) is task:
+            del self._tasks[key]
             self.admission.serve()
         if not self._tasks:
             self._idle.set()
@@ -271,7 +273,8 @@ class Fleet:
         self.metrics.lease_takeovers.inc(len(taken))
         try:
             for one in taken:
-                extra = {"run_id": one.run_id if isinstance(one, Unreadable) else one.run.id}
+                run_id, scope = (one.run_id, one.scope) if isinstance(one, Unreadable) else (one.run.id, one.run.scope)
+                extra = {"run_id": run_id, "scope": str(scope)}
                 try:
                     if isinstance(one, Unreadable):
                         await self._quarantine(one.run_id, one.scope, InvalidContinuation(one.detail))

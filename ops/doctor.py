@@ -75,9 +75,11 @@ async def stale_leases(store: AcrossScopes, thresholds: Thresholds) -> Check:
         "stale_leases",
         Status.FAIL,
         f"{total} running run(s) whose lease lapsed over {describe_duration(thresholds.lease_grace_seconds)} ago "
-        f"and was not taken over (the oldest: {first.run_id}, {describe_duration(first.lapsed_seconds)} ago)",
+        f"and was not taken over (the oldest: {first.run_id} of {first.app}/{first.tenant}, "
+        f"{describe_duration(first.lapsed_seconds)} ago)",
         "start a worker, or look at the workers' /readyz (task:reclaim-sweep): no worker is taking runs over",
-        {"total": total, "runs": [r.run_id for r in oldest]},
+        # Each run by its key: a run id names a run only within its scope.
+        {"total": total, "runs": [{"id": r.run_id, "app": r.app, "tenant": r.tenant} for r in oldest]},
     )
 
 

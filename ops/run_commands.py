@@ -72,7 +72,13 @@ async def send_and_wait(
                 async with asyncio.timeout(within):
                     async for received in events:
                         event = received.event
-                        if isinstance(event, RunEvent) and event.run_id == run_id and event.kind in ENDS:
+                        # The run by its key: another scope's run of that id is not this one.
+                        if (
+                            isinstance(event, RunEvent)
+                            and event.run_id == run_id
+                            and event.scope == scope
+                            and event.kind in ENDS
+                        ):
                             return Outcome(
                                 message_id, event.kind.value, detail=event.error or "", revision=event.revision
                             )

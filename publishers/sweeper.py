@@ -56,7 +56,7 @@ from intermission.publishers.amqp import (
     wait_or_stop,
 )
 from intermission.schemas.commands import ExpireCommand
-from intermission.store.across_scopes import AcrossScopes, ExpiredPause
+from intermission.store.across_scopes import AcrossScopes, ExpiredPause, PauseKey
 from intermission.store.db import Database
 from intermission.tracing import open_span
 from intermission.wire import COMMANDS_EXCHANGE, Command, command_message
@@ -95,7 +95,8 @@ class _Pacer:
 
 def expire_message_id(pause: ExpiredPause) -> str:
     """The same id for the same pause from every sweeper, on every sweep."""
-    # Unique across scopes too (run ids are global), so the per-scope inbox key changes nothing here.
+    # Unique within the pause's scope, which is all the inbox asks (it keys message ids by scope): a pause
+    # id comes from one sequence for every scope, and the command is published under the pause's scope.
     return f"expire:{pause.run_id}:{pause.suspension_id}"
 
 
@@ -117,16 +118,16 @@ class _Recent:
     def __init__(self, limit: int, ttl: float) -> None:
         self._limit = limit
         self._ttl = ttl
-        self._at: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self._at: OrderedDict[PauseKey, float] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._at)
 
-    def holds(self, key: tuple[str, int], now: float) -> bool:
+    def holds(self, key: PauseKey, now: float) -> bool:
         at = self._at.get(key)
         return at is not None and now - at < self._ttl
 
-    def add(self, key: tuple[str, int], now: float) -> None:
+    def add(self, key: PauseKey, now: float) -> None:
         self._at[key] = now
         self._at.move_to_end(key)
         while len(self._at) > self._limit:
@@ -205,7 +206,7 @@ class ExpirySweeper:
         self, page: list[ExpiredPause], pacer: _Pacer | None = None, stop: asyncio.Event | None = None
     ) -> int:
         now = time.monotonic()
-        due = [p for p in page if not self._recent.holds((p.run_id, p.suspension_id), now)]
+        due = [p for p in page if not self._recent.holds(p.key, now)]
         if not due:
             return 0
         async with asyncio.timeout(self._publish_timeout):
@@ -225,7 +226,7 @@ class ExpirySweeper:
             sent = 0
             for pause, outcome in zip(burst, outcomes, strict=True):
                 if outcome is None:
-                    self._recent.add((pause.run_id, pause.suspension_id), now)
+                    self._recent.add(pause.key, now)
                     sent += 1
             confirmed += sent
             self.published += sent

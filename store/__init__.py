@@ -2,10 +2,11 @@
 caller's exact scope.
 
 ``Stores`` is one pool's worth of it. ``stores.at(scope)`` is a handle bound to one scope, checked once,
-whose aggregates (runs, suspensions, progress, resume evidence, sessions) work only there; a command store
-takes each command's own scope from its body; ``stores.across_scopes`` holds every read that crosses
-scopes for the fleet's own processes, and ``stores.granted(reach)`` the web console's reads, restricted in
-SQL to the scopes the broker grants the person logged in; nothing else crosses scopes.
+whose aggregates (runs, suspensions, progress, resume evidence, sessions, the demo ledger) work only
+there; a command store takes each command's own scope from its body; ``stores.across_scopes`` holds every
+read that crosses scopes for the fleet's own processes, and ``stores.granted(reach)`` the web console's
+reads, restricted in SQL to the scopes the broker grants the person logged in; nothing else crosses
+scopes. A run id names a run only within its scope (migration 0015): two scopes may each have run "r1".
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class ScopedStores:
     def sessions(self) -> SessionStore:
         return SessionStore(self.db, self.scope)
 
+    @cached_property
+    def ledger(self) -> DemoLedger:
+        return DemoLedger(self.db, self.scope)
+
 
 @dataclass(frozen=True)
 class Stores:
@@ -63,12 +68,10 @@ class Stores:
     db: Database
     commands: CommandStore = field(init=False)
     across_scopes: AcrossScopes = field(init=False)
-    ledger: DemoLedger = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "commands", CommandStore(self.db))
         object.__setattr__(self, "across_scopes", AcrossScopes(self.db))
-        object.__setattr__(self, "ledger", DemoLedger(self.db))
 
     def at(self, scope: Scope) -> ScopedStores:
         """The store at ``scope`` (InvalidScope when it is not a valid scope)."""

@@ -28,6 +28,9 @@ from intermission.store.db import Conn, Database
 from intermission.store.runs import Reclaimed, check_lease
 from intermission.wire import HeaderValue
 
+# A pause named by its run's scope and id and its own id.
+PauseKey = tuple[Scope, str, int]
+
 # The keyset cursor's start: before every deadline the database can hold.
 _BEFORE_EVERY_DEADLINE: Final = datetime(1, 1, 1, tzinfo=UTC)
 
@@ -49,6 +52,11 @@ class ExpiredPause:
     @property
     def cursor(self) -> tuple[datetime, int]:
         return (self.expires_at, self.suspension_id)
+
+    @property
+    def key(self) -> PauseKey:
+        """The pause by its run's key (scope and run id) and its own id."""
+        return (self.scope, self.run_id, self.suspension_id)
 
 
 @dataclass(frozen=True)
@@ -368,7 +376,8 @@ class AcrossScopes:
     # --- operators' figures (the CLI, `intermission doctor`, the sweeper's metrics) ------------------
 
     async def find_run_scopes(self, run_id: str) -> list[Scope]:
-        """The scopes a run id is found in (run ids are unique across scopes, so at most one today)."""
+        """The scopes a run id is found in: a run id is unique only within its scope, so there may be several
+        (the caller then asks which one is meant)."""
         async with self.db.connection() as con:
             found = await con.fetch("find_run_scopes", run_id)
         return [Scope.model_construct(app=r["app"], tenant=r["tenant"]) for r in found]
@@ -395,6 +404,8 @@ class AcrossScopes:
                 limit,
                 after.updated_at if after is not None else None,
                 after.run_id if after is not None else None,
+                after.app if after is not None else None,
+                after.tenant if after is not None else None,
             )
         return [
             RunSummary(
@@ -494,10 +505,13 @@ class RunFilter:
 
 @dataclass(frozen=True)
 class RunCursor:
-    """Where a listing of runs stopped: the last run's last change and id."""
+    """Where a listing of runs stopped: the last run's last change and key (an id is unique only within its
+    scope, so two runs of one id may have changed at the same moment)."""
 
     updated_at: datetime
     run_id: str
+    app: str
+    tenant: str
 
 
 @dataclass(frozen=True)
@@ -523,7 +537,7 @@ class RunSummary:
 
     @property
     def cursor(self) -> RunCursor:
-        return RunCursor(self.updated_at, self.id)
+        return RunCursor(self.updated_at, self.id, self.app, self.tenant)
 
 
 # The age buckets of open pauses, youngest first (``open_pauses``).

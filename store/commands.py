@@ -226,7 +226,7 @@ class CommandStore:
         correlation_id: str | None = None,
     ) -> Claimed | None:
         """Create the run under this worker's lease with its first snapshot. A repeated identical start is
-        a no-op (None); a different start under the same id is RunExists."""
+        a no-op (None); a different start under the same id in the same scope is RunExists."""
         scope = require_scope(cmd.scope)
         new = new_run(cmd, defaults)
         first = Progress(

@@ -30,7 +30,8 @@ from intermission.store.db import Conn, Database, translated
 
 @dataclass(frozen=True)
 class HeldRun:
-    """A run whose lease this worker holds, and the scope it is stored under."""
+    """A run whose lease this worker holds, and the scope it is stored under: together its key (a run id
+    is unique only within its scope, so one worker may hold runs of one id in two scopes)."""
 
     run_id: str
     scope: Scope
@@ -41,6 +42,7 @@ class Renewed:
     """A run still held after a renewal, and the end asked of it while it ran (None: none was)."""
 
     run_id: str
+    scope: Scope
     ending: Ending | None
 
 
@@ -59,11 +61,11 @@ class LeaseLine:
     def connected(self) -> bool:
         return self._con is not None
 
-    async def renew(self, owner: str, ttl_seconds: float, held: Sequence[HeldRun]) -> dict[str, Renewed]:
+    async def renew(self, owner: str, ttl_seconds: float, held: Sequence[HeldRun]) -> dict[HeldRun, Renewed]:
         """Renew ``owner``'s lease on each run of ``held`` (by the database clock, ``now() + ttl``). Returns
-        the runs still held, by id; a run missing from the answer is no longer held by ``owner`` (it lapsed
-        and passed to someone else, or it left running). StoreUnavailable when the renewal itself failed:
-        then nothing is known of any of them."""
+        the runs still held, by their key; a run missing from the answer is no longer held by ``owner`` (it
+        lapsed and passed to someone else, or it left running). StoreUnavailable when the renewal itself
+        failed: then nothing is known of any of them."""
         if not held:
             return {}
         async with self._lock:
@@ -82,11 +84,12 @@ class LeaseLine:
             except StoreUnavailable:
                 self._drop()
                 raise
+        # Each row answers for one of the runs asked about: the statement matched it on the whole key.
+        asked = {(h.scope.app, h.scope.tenant, h.run_id): h for h in held}
+        answered = ((asked[(r["app"], r["tenant"], r["id"])], r["ending"]) for r in found)
         return {
-            r["id"]: Renewed(
-                r["id"], None if r["ending"] is None else rows.load_model(Ending, r["ending"], "run ending")
-            )
-            for r in found
+            h: Renewed(h.run_id, h.scope, None if ending is None else rows.load_model(Ending, ending, "run ending"))
+            for h, ending in answered
         }
 
     def _drop(self) -> None:

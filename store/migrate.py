@@ -84,9 +84,17 @@ async def _migrate(con: Conn) -> list[Migration]:
                             f"migration {migration.version:04d}_{migration.name} changed after it was applied"
                         )
                     continue
-                async with con.raw.transaction():
-                    await con.raw.execute(migration.sql)
-                    await con.execute("migrations_record", migration.version, migration.name, migration.checksum)
+                try:
+                    async with con.raw.transaction():
+                        await con.raw.execute(migration.sql)
+                        await con.execute("migrations_record", migration.version, migration.name, migration.checksum)
+                except asyncpg.RaiseError as exc:
+                    # A migration that checks the data before it changes keys (0015) refuses with what to mend;
+                    # its words are the operator's, not a bare SQLSTATE.
+                    hint = f" ({exc.hint})" if exc.hint else ""
+                    raise MigrationError(
+                        f"migration {migration.version:04d}_{migration.name} refused: {exc.message}{hint}"
+                    ) from exc
                 done.append(migration)
             return done
         finally:

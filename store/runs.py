@@ -229,7 +229,7 @@ async def start_in(
         assert receipt is not None
         raise MessageIdConflict(f"message_id {receipt.message_id} was used for a different command")
     if outcome == "run_exists":
-        raise RunExists(f"run id {new.run_id} holds a different run")
+        raise RunExists(f"run id {new.run_id} holds a different run in this scope")
     return CreatedRun(rows.run_from_row(row["run"]), fresh=outcome == "created")
 
 
@@ -241,8 +241,9 @@ class RunStore:
     async def create_run(self, new: NewRun, lease: Lease | None = None, first: Progress | None = None) -> CreatedRun:
         """Create a run: running under ``lease`` (with its first snapshot) when one is given.
 
-        The caller picks the run id. The identical start again returns the stored run with ``fresh``
-        false and changes nothing; a different start under the same id is RunExists.
+        The caller picks the run id, unique within this scope (another scope's run of that id is another
+        run, and says nothing here). The identical start again returns the stored run with ``fresh`` false
+        and changes nothing; a different start under the same id in this scope is RunExists.
         """
         check_new_run(new, lease, first)
         async with self.db.connection() as con:

@@ -243,7 +243,7 @@ BEGIN
     ), answered AS (
         -- At most one pause per run, and the claim holds the run: this is the one it claimed.
         SELECT s.id, s.expires_at, s.continuation, CASE WHEN p_rows THEN s END AS whole
-          FROM suspensions s JOIN claimed c ON s.run_id = c.id
+          FROM suspensions s JOIN claimed c ON s.app = c.app AND s.tenant = c.tenant AND s.run_id = c.id
     ), first AS (
         SELECT intermission_write_progress_v1(
                    c.id, c.app, c.tenant, p_lease_owner, COALESCE(p_first_continuation, a.continuation),
@@ -251,13 +251,15 @@ BEGIN
           FROM claimed c, answered a
          WHERE p_first
     ), dropped AS (
-        DELETE FROM suspensions s USING claimed c WHERE p_drop_pause AND s.run_id = c.id
+        DELETE FROM suspensions s USING claimed c
+         WHERE p_drop_pause AND s.app = c.app AND s.tenant = c.tenant AND s.run_id = c.id
     ), decided AS (
         UPDATE checkpoints k
            SET state = p_checkpoint_state, decided_by = p_decided_by, reason = p_decision_reason,
                decided_at = now()
           FROM claimed c
-         WHERE p_checkpoint_id IS NOT NULL AND k.id = p_checkpoint_id AND k.run_id = c.id AND k.state = 'pending'
+         WHERE p_checkpoint_id IS NOT NULL AND k.id = p_checkpoint_id
+           AND k.app = c.app AND k.tenant = c.tenant AND k.run_id = c.id AND k.state = 'pending'
         RETURNING 1
     ), announced AS (
         INSERT INTO outbox (message_id, routing_key, body, correlation_id, headers, app, tenant, run_id)
@@ -370,13 +372,13 @@ BEGIN
          WHERE p_messages IS NOT NULL
          ORDER BY t.n
     ), no_progress AS (
-        DELETE FROM progress g USING ended e WHERE g.run_id = e.id
+        DELETE FROM progress g USING ended e WHERE g.app = e.app AND g.tenant = e.tenant AND g.run_id = e.id
     ), no_pause AS (
-        DELETE FROM suspensions s USING ended e WHERE s.run_id = e.id
+        DELETE FROM suspensions s USING ended e WHERE s.app = e.app AND s.tenant = e.tenant AND s.run_id = e.id
     ), closed AS (
         UPDATE checkpoints k SET state = 'rejected', reason = p_checkpoint_reason, decided_at = now()
           FROM ended e
-         WHERE k.run_id = e.id AND k.state = 'pending'
+         WHERE k.app = e.app AND k.tenant = e.tenant AND k.run_id = e.id AND k.state = 'pending'
     ), noted AS (
         INSERT INTO run_events (event_id, run_id, app, tenant, kind, revision, data)
         SELECT p_run_event_id, e.id, e.app, e.tenant, p_run_event_kind, e.revision, p_run_event_data FROM ended e
@@ -425,13 +427,13 @@ BEGIN
          WHERE p_messages IS NOT NULL
          ORDER BY t.n
     ), no_progress AS (
-        DELETE FROM progress g USING ended e WHERE g.run_id = e.id
+        DELETE FROM progress g USING ended e WHERE g.app = e.app AND g.tenant = e.tenant AND g.run_id = e.id
     ), no_pause AS (
-        DELETE FROM suspensions s USING ended e WHERE s.run_id = e.id
+        DELETE FROM suspensions s USING ended e WHERE s.app = e.app AND s.tenant = e.tenant AND s.run_id = e.id
     ), closed AS (
         UPDATE checkpoints k SET state = 'rejected', reason = p_checkpoint_reason, decided_at = now()
           FROM ended e
-         WHERE k.run_id = e.id AND k.state = 'pending'
+         WHERE k.app = e.app AND k.tenant = e.tenant AND k.run_id = e.id AND k.state = 'pending'
     ), noted AS (
         INSERT INTO run_events (event_id, run_id, app, tenant, kind, revision, data)
         SELECT p_run_event_id, e.id, e.app, e.tenant, p_run_event_kind, e.revision, p_run_event_data FROM ended e
@@ -588,7 +590,7 @@ BEGIN
     ), drawn AS (
         SELECT m.*, nextval('suspension_ids') AS suspension_id FROM moved m
     ), old_pause AS (
-        DELETE FROM suspensions s USING drawn d WHERE s.run_id = d.id
+        DELETE FROM suspensions s USING drawn d WHERE s.app = d.app AND s.tenant = d.tenant AND s.run_id = d.id
         RETURNING 1
     ), checkpoint AS (
         INSERT INTO checkpoints (run_id, suspension_id, app, tenant, approvers)
@@ -604,7 +606,7 @@ BEGIN
           FROM drawn d, (SELECT count(*) FROM old_pause) AS gone
         RETURNING s AS created_pause, s.id, s.expires_at, s.checkpoint_id
     ), no_progress AS (
-        DELETE FROM progress g USING drawn d WHERE g.run_id = d.id
+        DELETE FROM progress g USING drawn d WHERE g.app = d.app AND g.tenant = d.tenant AND g.run_id = d.id
     ), noted AS (
         INSERT INTO run_events (event_id, run_id, app, tenant, kind, revision, data)
         SELECT gen_random_uuid(), d.id, d.app, d.tenant, 'paused', d.revision,
@@ -652,7 +654,7 @@ BEGIN
     ), drawn AS (
         SELECT m.*, nextval('suspension_ids') AS suspension_id FROM moved m
     ), old_pause AS (
-        DELETE FROM suspensions s USING drawn d WHERE s.run_id = d.id
+        DELETE FROM suspensions s USING drawn d WHERE s.app = d.app AND s.tenant = d.tenant AND s.run_id = d.id
         RETURNING 1
     ), checkpoint AS (
         INSERT INTO checkpoints (run_id, suspension_id, app, tenant, approvers)
@@ -668,7 +670,7 @@ BEGIN
           FROM drawn d, (SELECT count(*) FROM old_pause) AS gone
         RETURNING s AS created_pause, s.id, s.expires_at, s.checkpoint_id
     ), no_progress AS (
-        DELETE FROM progress g USING drawn d WHERE g.run_id = d.id
+        DELETE FROM progress g USING drawn d WHERE g.app = d.app AND g.tenant = d.tenant AND g.run_id = d.id
     ), noted AS (
         INSERT INTO run_events (event_id, run_id, app, tenant, kind, revision, data)
         SELECT gen_random_uuid(), d.id, d.app, d.tenant, 'paused', d.revision,
@@ -705,12 +707,15 @@ CREATE FUNCTION public.intermission_prune_runs_v1(p_ended_before timestamp with 
     LANGUAGE plpgsql
     AS $$
 DECLARE
+    v_apps text[];
+    v_tenants text[];
     v_ids text[];
     v_counts jsonb := '{}';
     v_n bigint;
 BEGIN
-    SELECT coalesce(array_agg(r.id), '{}') INTO v_ids
-      FROM (SELECT r.id FROM runs r
+    SELECT coalesce(array_agg(r.app), '{}'), coalesce(array_agg(r.tenant), '{}'), coalesce(array_agg(r.id), '{}')
+      INTO v_apps, v_tenants, v_ids
+      FROM (SELECT r.app, r.tenant, r.id FROM runs r
              WHERE r.ended_at IS NOT NULL AND r.ended_at < p_ended_before
                AND r.state IN ('completed', 'failed', 'cancelled')
              ORDER BY r.ended_at
@@ -719,25 +724,35 @@ BEGIN
     IF cardinality(v_ids) = 0 THEN
         RETURN v_counts;
     END IF;
-    DELETE FROM suspensions WHERE run_id = ANY (v_ids);
+    DELETE FROM suspensions x USING unnest(v_apps, v_tenants, v_ids) AS d (app, tenant, id)
+     WHERE x.app = d.app AND x.tenant = d.tenant AND x.run_id = d.id;
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('suspensions', v_n);
-    DELETE FROM checkpoints WHERE run_id = ANY (v_ids);
+    DELETE FROM checkpoints x USING unnest(v_apps, v_tenants, v_ids) AS d (app, tenant, id)
+     WHERE x.app = d.app AND x.tenant = d.tenant AND x.run_id = d.id;
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('checkpoints', v_n);
-    DELETE FROM progress WHERE run_id = ANY (v_ids);
+    DELETE FROM progress x USING unnest(v_apps, v_tenants, v_ids) AS d (app, tenant, id)
+     WHERE x.app = d.app AND x.tenant = d.tenant AND x.run_id = d.id;
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('progress', v_n);
-    DELETE FROM resume_closures WHERE run_id = ANY (v_ids);
+    DELETE FROM resume_closures x USING unnest(v_apps, v_tenants, v_ids) AS d (app, tenant, id)
+     WHERE x.app = d.app AND x.tenant = d.tenant AND x.run_id = d.id;
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_closures', v_n);
-    DELETE FROM resume_expiries WHERE run_id = ANY (v_ids);
+    DELETE FROM resume_expiries x USING unnest(v_apps, v_tenants, v_ids) AS d (app, tenant, id)
+     WHERE x.app = d.app AND x.tenant = d.tenant AND x.run_id = d.id;
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_expiries', v_n);
-    DELETE FROM resume_starts WHERE run_id = ANY (v_ids);
+    DELETE FROM resume_starts x USING unnest(v_apps, v_tenants, v_ids) AS d (app, tenant, id)
+     WHERE x.app = d.app AND x.tenant = d.tenant AND x.run_id = d.id;
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_starts', v_n);
-    DELETE FROM resume_admissions WHERE run_id = ANY (v_ids);
+    DELETE FROM resume_admissions x USING unnest(v_apps, v_tenants, v_ids) AS d (app, tenant, id)
+     WHERE x.app = d.app AND x.tenant = d.tenant AND x.run_id = d.id;
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('resume_admissions', v_n);
-    DELETE FROM run_events WHERE run_id = ANY (v_ids);
+    DELETE FROM run_events x USING unnest(v_apps, v_tenants, v_ids) AS d (app, tenant, id)
+     WHERE x.app = d.app AND x.tenant = d.tenant AND x.run_id = d.id;
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('run_events', v_n);
-    DELETE FROM demo_charges WHERE run_id = ANY (v_ids);
+    DELETE FROM demo_charges x USING unnest(v_apps, v_tenants, v_ids) AS d (app, tenant, id)
+     WHERE x.app = d.app AND x.tenant = d.tenant AND x.run_id = d.id;
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('demo_charges', v_n);
-    DELETE FROM runs WHERE id = ANY (v_ids);
+    DELETE FROM runs x USING unnest(v_apps, v_tenants, v_ids) AS d (app, tenant, id)
+     WHERE x.app = d.app AND x.tenant = d.tenant AND x.id = d.id;
     GET DIAGNOSTICS v_n = ROW_COUNT; v_counts := v_counts || jsonb_build_object('runs', v_n);
     RETURN v_counts;
 END;
@@ -786,11 +801,14 @@ BEGIN
            SET ending = p_ending
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
            AND r.lease_owner IS NOT NULL AND r.ending IS NULL
-           AND NOT EXISTS (SELECT 1 FROM progress g WHERE g.run_id = r.id AND g.ending IS NOT NULL)
+           AND NOT EXISTS (SELECT 1 FROM progress g
+                            WHERE g.app = r.app AND g.tenant = r.tenant AND g.run_id = r.id
+                              AND g.ending IS NOT NULL)
            AND (p_message_id IS NULL OR EXISTS (SELECT 1 FROM recorded))
-        RETURNING r.id, r.revision, r.lease_owner
+        RETURNING r.id, r.app, r.tenant, r.revision, r.lease_owner
     ), noted AS (
-        UPDATE progress g SET ending = p_ending FROM asked a WHERE g.run_id = a.id AND g.ending IS NULL
+        UPDATE progress g SET ending = p_ending FROM asked a
+         WHERE g.app = a.app AND g.tenant = a.tenant AND g.run_id = a.id AND g.ending IS NULL
     )
     SELECT a.id, a.revision, a.lease_owner, EXISTS (SELECT 1 FROM recorded) AS recorded
       INTO v_result
@@ -906,7 +924,7 @@ BEGIN
         UPDATE runs r
            SET lease_owner = p_lease_owner, lease_expires_at = now() + make_interval(secs => p_lease_ttl),
                updated_at = now()
-         WHERE r.id = p_run_id
+         WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant
         RETURNING r.* INTO run;
         IF p_first_continuation IS NOT NULL THEN
             PERFORM intermission_write_progress_v1(p_run_id, p_app, p_tenant, p_lease_owner,
@@ -947,7 +965,7 @@ BEGIN
                p_lease_owner,
                CASE WHEN p_lease_owner IS NULL THEN NULL ELSE now() + make_interval(secs => p_lease_ttl) END
          WHERE p_message_id IS NULL OR EXISTS (SELECT 1 FROM recorded)
-        ON CONFLICT (id) DO NOTHING
+        ON CONFLICT (app, tenant, id) DO NOTHING
         RETURNING r AS created_run, r.id, r.app, r.tenant
     ), first AS (
         SELECT intermission_write_progress_v1(c.id, c.app, c.tenant, p_lease_owner, p_first_continuation,
@@ -971,8 +989,8 @@ BEGIN
         outcome := intermission_recorded_command_v1(p_app, p_tenant, p_message_id, p_routing_key, p_digest);
         RETURN;
     END IF;
-    SELECT r.* INTO run FROM runs r WHERE r.id = p_run_id;
-    IF run.start_digest = p_start_digest AND run.app = p_app AND run.tenant = p_tenant THEN
+    SELECT r.* INTO run FROM runs r WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant;
+    IF run.start_digest = p_start_digest THEN
         outcome := 'exists_same';
         RETURN;
     END IF;
@@ -1075,7 +1093,9 @@ CREATE FUNCTION public.intermission_take_over_v1(p_owner text, p_lease_ttl doubl
     LANGUAGE plpgsql
     AS $$
 DECLARE
-    v_taken text[];
+    v_apps text[];
+    v_tenants text[];
+    v_ids text[];
 BEGIN
     IF p_run_id IS NOT NULL THEN
         UPDATE runs r
@@ -1083,10 +1103,10 @@ BEGIN
                updated_at = now()
          WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'running'
            AND r.lease_expires_at <= now()
-        RETURNING ARRAY[r.id] INTO v_taken;
+        RETURNING ARRAY[r.app], ARRAY[r.tenant], ARRAY[r.id] INTO v_apps, v_tenants, v_ids;
     ELSE
         WITH lapsed AS (
-            SELECT r.id FROM runs r
+            SELECT r.app, r.tenant, r.id FROM runs r
              WHERE r.state = 'running' AND r.lease_expires_at <= now()
              ORDER BY r.lease_expires_at
              LIMIT p_limit
@@ -1095,24 +1115,30 @@ BEGIN
             UPDATE runs r
                SET lease_owner = p_owner, lease_expires_at = now() + make_interval(secs => p_lease_ttl),
                    updated_at = now()
-              FROM lapsed
-             WHERE r.id = lapsed.id
-            RETURNING r.id
+              FROM lapsed l
+             WHERE r.app = l.app AND r.tenant = l.tenant AND r.id = l.id
+            RETURNING r.app, r.tenant, r.id
         )
-        SELECT array_agg(m.id) INTO v_taken FROM moved m;
+        SELECT array_agg(m.app), array_agg(m.tenant), array_agg(m.id) INTO v_apps, v_tenants, v_ids FROM moved m;
     END IF;
-    IF v_taken IS NULL THEN
+    IF v_ids IS NULL THEN
         RETURN;
     END IF;
     IF p_first_continuation IS NOT NULL THEN
         PERFORM intermission_write_progress_v1(p_run_id, p_app, p_tenant, p_owner, p_first_continuation,
                                                p_first_started, p_first_done, p_first_ending, p_first_approved);
-    ELSE
-        -- The snapshot belongs to whoever holds the run: it goes over with the lease.
-        UPDATE progress g SET owner = p_owner, updated_at = now() WHERE g.run_id = ANY (v_taken);
     END IF;
-    RETURN QUERY
-    SELECT r, g FROM runs r LEFT JOIN progress g ON g.run_id = r.id WHERE r.id = ANY (v_taken);
+    FOR i IN 1 .. cardinality(v_ids) LOOP
+        IF p_first_continuation IS NULL THEN
+            -- The snapshot belongs to whoever holds the run: it goes over with the lease.
+            UPDATE progress g SET owner = p_owner, updated_at = now()
+             WHERE g.app = v_apps[i] AND g.tenant = v_tenants[i] AND g.run_id = v_ids[i];
+        END IF;
+        RETURN QUERY
+        SELECT r, g FROM runs r
+          LEFT JOIN progress g ON g.app = r.app AND g.tenant = r.tenant AND g.run_id = r.id
+         WHERE r.app = v_apps[i] AND r.tenant = v_tenants[i] AND r.id = v_ids[i];
+    END LOOP;
 END;
 $$;
 
@@ -1131,10 +1157,9 @@ BEGIN
                                updated_at)
     VALUES (p_run_id, p_app, p_tenant, p_owner, p_continuation, COALESCE(p_started, '[]'),
             COALESCE(p_done, '[]'), p_ending, COALESCE(p_approved, '[]'), now())
-    ON CONFLICT (run_id) DO UPDATE
-       SET app = excluded.app, tenant = excluded.tenant, owner = excluded.owner,
-           continuation = excluded.continuation, started = excluded.started, done = excluded.done,
-           ending = COALESCE(p.ending, excluded.ending), approved = excluded.approved,
+    ON CONFLICT (app, tenant, run_id) DO UPDATE
+       SET owner = excluded.owner, continuation = excluded.continuation, started = excluded.started,
+           done = excluded.done, ending = COALESCE(p.ending, excluded.ending), approved = excluded.approved,
            updated_at = excluded.updated_at
     RETURNING p.updated_at INTO v_updated_at;
     RETURN v_updated_at;
@@ -1201,7 +1226,9 @@ CREATE TABLE public.demo_charges (
     run_id text NOT NULL,
     call_id text NOT NULL,
     amount numeric NOT NULL,
-    charged_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
+    charged_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    app text NOT NULL,
+    tenant text NOT NULL
 );
 
 
@@ -1482,7 +1509,7 @@ ALTER TABLE ONLY public.outbox
 --
 
 ALTER TABLE ONLY public.progress
-    ADD CONSTRAINT progress_pkey PRIMARY KEY (run_id);
+    ADD CONSTRAINT progress_pkey PRIMARY KEY (app, tenant, run_id);
 
 
 --
@@ -1490,7 +1517,7 @@ ALTER TABLE ONLY public.progress
 --
 
 ALTER TABLE ONLY public.resume_admissions
-    ADD CONSTRAINT resume_admissions_pkey PRIMARY KEY (run_id, suspension_id);
+    ADD CONSTRAINT resume_admissions_pkey PRIMARY KEY (app, tenant, run_id, suspension_id);
 
 
 --
@@ -1506,7 +1533,7 @@ ALTER TABLE ONLY public.resume_closures
 --
 
 ALTER TABLE ONLY public.resume_closures
-    ADD CONSTRAINT resume_closures_pkey PRIMARY KEY (run_id, suspension_id);
+    ADD CONSTRAINT resume_closures_pkey PRIMARY KEY (app, tenant, run_id, suspension_id);
 
 
 --
@@ -1522,7 +1549,7 @@ ALTER TABLE ONLY public.resume_expiries
 --
 
 ALTER TABLE ONLY public.resume_expiries
-    ADD CONSTRAINT resume_expiries_pkey PRIMARY KEY (run_id, suspension_id);
+    ADD CONSTRAINT resume_expiries_pkey PRIMARY KEY (app, tenant, run_id, suspension_id);
 
 
 --
@@ -1530,7 +1557,7 @@ ALTER TABLE ONLY public.resume_expiries
 --
 
 ALTER TABLE ONLY public.resume_starts
-    ADD CONSTRAINT resume_starts_pkey PRIMARY KEY (run_id, suspension_id);
+    ADD CONSTRAINT resume_starts_pkey PRIMARY KEY (app, tenant, run_id, suspension_id);
 
 
 --
@@ -1554,7 +1581,7 @@ ALTER TABLE ONLY public.run_events
 --
 
 ALTER TABLE ONLY public.runs
-    ADD CONSTRAINT runs_pkey PRIMARY KEY (id);
+    ADD CONSTRAINT runs_pkey PRIMARY KEY (app, tenant, id);
 
 
 --
@@ -1601,14 +1628,14 @@ ALTER TABLE ONLY public.suspensions
 -- Name: checkpoints_pending_by_run; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX checkpoints_pending_by_run ON public.checkpoints USING btree (run_id) WHERE (state = 'pending'::text);
+CREATE INDEX checkpoints_pending_by_run ON public.checkpoints USING btree (app, tenant, run_id) WHERE (state = 'pending'::text);
 
 
 --
 -- Name: demo_charges_by_call; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX demo_charges_by_call ON public.demo_charges USING btree (run_id, call_id);
+CREATE INDEX demo_charges_by_call ON public.demo_charges USING btree (app, tenant, run_id, call_id);
 
 
 --
@@ -1622,7 +1649,7 @@ CREATE INDEX inbox_by_age ON public.inbox USING btree (recorded_at);
 -- Name: outbox_by_run; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX outbox_by_run ON public.outbox USING btree (run_id, id);
+CREATE INDEX outbox_by_run ON public.outbox USING btree (app, tenant, run_id, id);
 
 
 --
@@ -1657,14 +1684,7 @@ CREATE INDEX resume_admissions_by_scope ON public.resume_admissions USING btree 
 -- Name: run_events_by_run; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX run_events_by_run ON public.run_events USING btree (run_id, id);
-
-
---
--- Name: runs_by_scope; Type: INDEX; Schema: public; Owner: -
---
-
-CREATE INDEX runs_by_scope ON public.runs USING btree (app, tenant, id);
+CREATE INDEX run_events_by_run ON public.run_events USING btree (app, tenant, run_id, id);
 
 
 --
@@ -1685,7 +1705,7 @@ CREATE INDEX runs_ended_by_age ON public.runs USING btree (ended_at) WHERE (ende
 -- Name: runs_running; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX runs_running ON public.runs USING btree (id) WHERE (state = 'running'::public.run_state);
+CREATE INDEX runs_running ON public.runs USING btree (app, tenant, id) WHERE (state = 'running'::public.run_state);
 
 
 --
@@ -1720,7 +1740,7 @@ CREATE INDEX suspensions_by_reason ON public.suspensions USING btree (reason, ap
 -- Name: suspensions_one_per_run; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE UNIQUE INDEX suspensions_one_per_run ON public.suspensions USING btree (run_id);
+CREATE UNIQUE INDEX suspensions_one_per_run ON public.suspensions USING btree (app, tenant, run_id);
 
 
 --
@@ -1731,59 +1751,59 @@ CREATE TRIGGER outbox_notify AFTER INSERT ON public.outbox FOR EACH STATEMENT EX
 
 
 --
--- Name: checkpoints checkpoints_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+-- Name: checkpoints checkpoints_run_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
 --
 
 ALTER TABLE ONLY public.checkpoints
-    ADD CONSTRAINT checkpoints_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.runs(id);
+    ADD CONSTRAINT checkpoints_run_fkey FOREIGN KEY (app, tenant, run_id) REFERENCES public.runs(app, tenant, id);
 
 
 --
--- Name: progress progress_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+-- Name: progress progress_run_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
 --
 
 ALTER TABLE ONLY public.progress
-    ADD CONSTRAINT progress_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.runs(id);
+    ADD CONSTRAINT progress_run_fkey FOREIGN KEY (app, tenant, run_id) REFERENCES public.runs(app, tenant, id);
 
 
 --
--- Name: resume_admissions resume_admissions_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+-- Name: resume_admissions resume_admissions_run_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
 --
 
 ALTER TABLE ONLY public.resume_admissions
-    ADD CONSTRAINT resume_admissions_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.runs(id);
+    ADD CONSTRAINT resume_admissions_run_fkey FOREIGN KEY (app, tenant, run_id) REFERENCES public.runs(app, tenant, id);
 
 
 --
--- Name: resume_closures resume_closures_run_id_suspension_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+-- Name: resume_closures resume_closures_start_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
 --
 
 ALTER TABLE ONLY public.resume_closures
-    ADD CONSTRAINT resume_closures_run_id_suspension_id_fkey FOREIGN KEY (run_id, suspension_id) REFERENCES public.resume_starts(run_id, suspension_id);
+    ADD CONSTRAINT resume_closures_start_fkey FOREIGN KEY (app, tenant, run_id, suspension_id) REFERENCES public.resume_starts(app, tenant, run_id, suspension_id);
 
 
 --
--- Name: resume_expiries resume_expiries_run_id_suspension_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+-- Name: resume_expiries resume_expiries_admission_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
 --
 
 ALTER TABLE ONLY public.resume_expiries
-    ADD CONSTRAINT resume_expiries_run_id_suspension_id_fkey FOREIGN KEY (run_id, suspension_id) REFERENCES public.resume_admissions(run_id, suspension_id);
+    ADD CONSTRAINT resume_expiries_admission_fkey FOREIGN KEY (app, tenant, run_id, suspension_id) REFERENCES public.resume_admissions(app, tenant, run_id, suspension_id);
 
 
 --
--- Name: resume_starts resume_starts_run_id_suspension_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+-- Name: resume_starts resume_starts_admission_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
 --
 
 ALTER TABLE ONLY public.resume_starts
-    ADD CONSTRAINT resume_starts_run_id_suspension_id_fkey FOREIGN KEY (run_id, suspension_id) REFERENCES public.resume_admissions(run_id, suspension_id);
+    ADD CONSTRAINT resume_starts_admission_fkey FOREIGN KEY (app, tenant, run_id, suspension_id) REFERENCES public.resume_admissions(app, tenant, run_id, suspension_id);
 
 
 --
--- Name: suspensions suspensions_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+-- Name: suspensions suspensions_run_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
 --
 
 ALTER TABLE ONLY public.suspensions
-    ADD CONSTRAINT suspensions_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.runs(id);
+    ADD CONSTRAINT suspensions_run_fkey FOREIGN KEY (app, tenant, run_id) REFERENCES public.runs(app, tenant, id);
 
 
 --
@@ -1804,4 +1824,5 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (11, 'handed_pauses_and_ends', '6928b01b570ccefbd07c62a41f60f8b8656f73e8f1e336d3b6bef63b17b01f4f'),
     (12, 'operations', '756d0ea526c2ac453284a821137715012f433477c67d62ab9bb66292fd4bc1c3'),
     (13, 'marks_by_key', '581e07eb5ec33d932776bb2195c8a0aeb48487355734560272acc130e4bf5ed5'),
-    (14, 'scope_quotas', '6edfbf43e7b5d68410c5f3b5764deb47dea29e39e98809220c83d5f38bd2fda1');
+    (14, 'scope_quotas', '6edfbf43e7b5d68410c5f3b5764deb47dea29e39e98809220c83d5f38bd2fda1'),
+    (15, 'runs_keyed_by_scope', '0345a9856727c9c5261df3c13e6fa479b4fa9e433e04e46c19271e97007b1b09');

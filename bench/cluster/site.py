@@ -156,22 +156,30 @@ class ClusterSite:
 
     async def _charges(self, run: SoakRun, result: CheckResult) -> None:
         inv = "no_double_charge_across_timelines"
-        journal = Counter((e.run_id, e.call_id) for e in charge_journal.read(self.journal))
+        # Each charge by its run's key (scope and id: a run id is unique only within its scope) and call.
+        journal = Counter((e.app, e.tenant, e.run_id, e.call_id) for e in charge_journal.read(self.journal))
         con = await asyncpg.connect(run.env.database_url, timeout=30)
         try:
-            rows = await con.fetch("SELECT run_id, call_id, count(*) AS times FROM demo_charges GROUP BY 1, 2")
+            rows = await con.fetch(
+                "SELECT app, tenant, run_id, call_id, count(*) AS times FROM demo_charges GROUP BY 1, 2, 3, 4"
+            )
         finally:
             await con.close()
-        for (run_id, call_id), times in journal.items():
+        for (app, tenant, run_id, call_id), times in journal.items():
             result.checked[inv] += 1
             if times > 1:
-                result.fail(inv, f"run {run_id} call {call_id}", "charged once (the journal)", f"{times} charges")
-        for row in rows:
-            result.checked[inv] += 1
-            if (row["run_id"], row["call_id"]) not in journal:
                 result.fail(
                     inv,
-                    f"run {row['run_id']} call {row['call_id']}",
+                    f"run {run_id} of {app}/{tenant} call {call_id}",
+                    "charged once (the journal)",
+                    f"{times} charges",
+                )
+        for row in rows:
+            result.checked[inv] += 1
+            if (row["app"], row["tenant"], row["run_id"], row["call_id"]) not in journal:
+                result.fail(
+                    inv,
+                    f"run {row['run_id']} of {row['app']}/{row['tenant']} call {row['call_id']}",
                     "every charge in the database journalled before it was made",
                     "a database charge the journal does not have",
                 )

@@ -10,7 +10,7 @@ The invariants (docs/invariants.md, as the soak can observe them):
   pause), as its plan allows; an ended run holds no suspension, no progress and no lease; no run exists
   that the harness did not start.
 - ``no_running_after_drain``: no run is left ``running`` (with or without a live lease).
-- ``no_double_charge``: no non-retry-safe call ran twice (``demo_charges``: no (run_id, call_id) twice).
+- ``no_double_charge``: no non-retry-safe call ran twice (``demo_charges``: no (run, call_id) twice).
 - ``notices_match_pauses``: every pause wrote exactly one Notice, which was delivered; every delivered
   Notice matches a pause (suspension, run and revision).
 - ``notices_heard``: the host's (and for agent asks the bus's) durable subscription delivered every notice.
@@ -38,6 +38,9 @@ The invariants (docs/invariants.md, as the soak can observe them):
   wait overlapped a server fault (and its recovery) is excused and counted apart, never one that was not
   heard at all. The flooding scope never held more runs than its quota of live runs, and each of the
   flood's starts was applied (its run exists) or refused ``quota_exceeded`` (no run), never both.
+
+A run is named by its key, (app, tenant, id), everywhere: a run id is unique only within its scope, so a run
+of a plan's id at another scope (a tenant reusing the id) is another run, and one the harness never started.
 """
 
 from __future__ import annotations
@@ -138,14 +141,28 @@ class Evidence:
     dead: list[DeadLetter]
 
 
+# A run's key: (app, tenant, id).
+RunKey = tuple[str, str, str]
+
+
+def run_key(row: asyncpg.Record | dict[str, Any], column: str = "run_id") -> RunKey:
+    """The key of the run a row names (``column`` holds the run id: ``id`` in runs, ``run_id`` elsewhere)."""
+    return (row["app"], row["tenant"], row[column])
+
+
+def describe(key: RunKey) -> str:
+    return f"{key[2]} of {key[0]}/{key[1]}"
+
+
 @dataclass
 class Snapshot:
-    """Everything the checker reads from the database, read once after the drain."""
+    """Everything the checker reads from the database, read once after the drain. Runs, their pauses and
+    their progress by run key."""
 
     now: datetime
-    runs: dict[str, asyncpg.Record]
-    suspensions: dict[str, list[asyncpg.Record]]
-    progress: dict[str, asyncpg.Record]
+    runs: dict[RunKey, asyncpg.Record]
+    suspensions: dict[RunKey, list[asyncpg.Record]]
+    progress: dict[RunKey, asyncpg.Record]
     run_events: list[asyncpg.Record]
     outbox: list[asyncpg.Record]
     # Keyed as the table is: (app, tenant, message_id).
@@ -154,7 +171,8 @@ class Snapshot:
     checkpoints: list[asyncpg.Record]
     admissions: list[asyncpg.Record]
     foreign_rows: dict[str, int]
-    forged: list[tuple[str, str | None]]
+    # Where a forged payload was found: the table, and the run of the row that holds it.
+    forged: list[tuple[str, RunKey]]
 
 
 FOREIGN_TABLES = (
@@ -190,11 +208,13 @@ async def _read(database_url: str, foreign_app: str) -> Snapshot:
     try:
         async with con.transaction(isolation="repeatable_read", readonly=True):
             now = await con.fetchval("SELECT now()")
-            runs = {r["id"]: r for r in await con.fetch("SELECT * FROM runs")}
-            suspensions: dict[str, list[asyncpg.Record]] = defaultdict(list)
+            runs = {run_key(r, "id"): r for r in await con.fetch("SELECT * FROM runs")}
+            suspensions: dict[RunKey, list[asyncpg.Record]] = defaultdict(list)
             for r in await con.fetch("SELECT id, run_id, app, tenant, reason::text, expires_at FROM suspensions"):
-                suspensions[r["run_id"]].append(r)
-            progress = {r["run_id"]: r for r in await con.fetch("SELECT run_id, owner, ending FROM progress")}
+                suspensions[run_key(r)].append(r)
+            progress = {
+                run_key(r): r for r in await con.fetch("SELECT run_id, app, tenant, owner, ending FROM progress")
+            }
             run_events = await con.fetch("SELECT run_id, app, tenant, kind, revision, data, created_at FROM run_events")
             outbox = await con.fetch(
                 "SELECT id, message_id::text AS message_id, routing_key, body, correlation_id, run_id, app, tenant,"
@@ -202,8 +222,9 @@ async def _read(database_url: str, foreign_app: str) -> Snapshot:
             )
             inbox = {(r["app"], r["tenant"], r["message_id"]): r for r in await con.fetch("SELECT * FROM inbox")}
             charges = await con.fetch(
-                "SELECT run_id, call_id, count(*) AS times, array_agg(charged_at ORDER BY charged_at) AS at"
-                " FROM demo_charges GROUP BY run_id, call_id"
+                "SELECT app, tenant, run_id, call_id, count(*) AS times,"
+                " array_agg(charged_at ORDER BY charged_at) AS at"
+                " FROM demo_charges GROUP BY app, tenant, run_id, call_id"
             )
             checkpoints = await con.fetch("SELECT * FROM checkpoints")
             admissions = await con.fetch(
@@ -215,7 +236,7 @@ async def _read(database_url: str, foreign_app: str) -> Snapshot:
                 table: int(await con.fetchval(f"SELECT count(*) FROM {table} WHERE app = $1", foreign_app))  # noqa: S608
                 for table in FOREIGN_TABLES
             }
-            forged: list[tuple[str, str | None]] = []
+            forged: list[tuple[str, RunKey]] = []
             for table, column, run_column in (
                 ("session_messages", "message::text", "run_id"),
                 ("runs", "input || coalesce(output, '') || coalesce(error, '')", "id"),
@@ -224,10 +245,10 @@ async def _read(database_url: str, foreign_app: str) -> Snapshot:
                 ("suspensions", "continuation::text", "run_id"),
             ):
                 for r in await con.fetch(
-                    f"SELECT {run_column} AS run_id FROM {table} WHERE strpos({column}, $1) > 0",  # noqa: S608
+                    f"SELECT app, tenant, {run_column} AS run_id FROM {table} WHERE strpos({column}, $1) > 0",  # noqa: S608
                     FORGED,
                 ):
-                    forged.append((table, r["run_id"]))
+                    forged.append((table, run_key(r)))
     finally:
         await con.close()
     return Snapshot(
@@ -280,18 +301,18 @@ class Checker:
                 self.paused[int(_json(event["data"])["suspension_id"])] = event
         self.outbox_notices: dict[int, list[asyncpg.Record]] = defaultdict(list)
         self.resumed_rows: dict[str | None, list[asyncpg.Record]] = defaultdict(list)
-        self.terminal_rows: dict[str, list[asyncpg.Record]] = defaultdict(list)
-        self.last_notice: dict[str, dict[str, Any]] = {}
+        self.terminal_rows: dict[RunKey, list[asyncpg.Record]] = defaultdict(list)
+        self.last_notice: dict[RunKey, dict[str, Any]] = {}
         for row in snap.outbox:
             key = row["routing_key"]
             if key.startswith("notice."):
                 body = _json(row["body"])
                 self.outbox_notices[int(body["suspension_id"])].append(row)
-                self.last_notice[row["run_id"]] = body
+                self.last_notice[run_key(row)] = body
             elif key.startswith("run.resumed."):
                 self.resumed_rows[row["correlation_id"]].append(row)
             elif key.startswith("run."):
-                self.terminal_rows[row["run_id"]].append(row)
+                self.terminal_rows[run_key(row)].append(row)
         self.captured: dict[str, list[Event]] = defaultdict(list)
         self.refusals: dict[str, list[dict[str, Any]]] = defaultdict(list)
         # The routing keys each command's refusals were heard under.
@@ -325,6 +346,12 @@ class Checker:
     def fail(self, invariant: str, subject: str, expected: str, found: str) -> None:
         self.result.fail(invariant, subject, expected, found)
 
+    def plan_of(self, key: RunKey) -> RunPlan | None:
+        """The plan of the run ``key`` names: the harness's run ids are its own, and a run of one of them is
+        that plan's only at the plan's scope (at another it is a run the harness never started)."""
+        plan = self.ledger.runs.get(key[2])
+        return plan if plan is not None and (plan.scope.app, plan.scope.tenant) == key[:2] else None
+
     def check(self) -> CheckResult:
         self.runs_settled()
         self.no_running()
@@ -344,7 +371,8 @@ class Checker:
     def runs_settled(self) -> None:
         inv = "runs_settled"
         for plan in self.ledger.runs.values():
-            row = self.snap.runs.get(plan.run_id)
+            key = (plan.scope.app, plan.scope.tenant, plan.run_id)
+            row = self.snap.runs.get(key)
             if row is None and plan.flood is not None:
                 continue  # a flood's start refused quota_exceeded has no run: flood_fairness judges it
             self.result.checked[inv] += 1
@@ -352,14 +380,12 @@ class Checker:
             if row is None:
                 self.fail(inv, subject, f"a run at {plan.scope} (started as {plan.start_message_id})", "no run row")
                 continue
-            if (row["app"], row["tenant"]) != (plan.scope.app, plan.scope.tenant):
-                self.fail(inv, subject, f"scope {plan.scope}", f"scope {row['app']}/{row['tenant']}")
             state, error = row["state"], row["error"]
             if not _end_token_ok(plan.allowed_ends, state, error):
                 self.fail(inv, subject, f"an end in {sorted(plan.allowed_ends)}", f"{state} (error {error!r})")
-            live = self.snap.suspensions.get(plan.run_id, [])
+            live = self.snap.suspensions.get(key, [])
             if state == "paused":
-                pauses = [e for e in self.paused.values() if e["run_id"] == plan.run_id]
+                pauses = [e for e in self.paused.values() if run_key(e) == key]
                 latest = max(pauses, key=lambda e: e["revision"]) if pauses else None
                 if len(live) != 1:
                     self.fail(inv, subject, "exactly one live suspension while paused", f"{len(live)}")
@@ -375,30 +401,30 @@ class Checker:
             elif state in ("completed", "failed", "cancelled"):
                 if live:
                     self.fail(inv, subject, "no live suspension once ended", f"suspensions {[s['id'] for s in live]}")
-                if plan.run_id in self.snap.progress:
-                    self.fail(inv, subject, "no progress row once ended", f"{dict(self.snap.progress[plan.run_id])}")
+                if key in self.snap.progress:
+                    self.fail(inv, subject, "no progress row once ended", f"{dict(self.snap.progress[key])}")
                 if row["lease_owner"] is not None:
                     self.fail(inv, subject, "no lease once ended", f"lease held by {row['lease_owner']}")
-        for run_id, row in self.snap.runs.items():
-            if run_id not in self.ledger.runs:
+        for key, row in self.snap.runs.items():
+            if self.plan_of(key) is None:
                 self.result.checked[inv] += 1
-                self.fail(inv, f"run {run_id}", "only runs the harness started", f"a {row['state']} run")
+                self.fail(inv, f"run {describe(key)}", "only runs the harness started", f"a {row['state']} run")
 
     def no_running(self) -> None:
         inv = "no_running_after_drain"
-        for run_id, row in self.snap.runs.items():
+        for key, row in self.snap.runs.items():
             self.result.checked[inv] += 1
             if row["state"] == "running":
                 owner, until = row["lease_owner"], row["lease_expires_at"]
                 live = until is not None and until > self.snap.now
                 self.fail(
                     inv,
-                    f"run {run_id}",
+                    f"run {describe(key)}",
                     "ended or paused after the drain",
                     f"running, lease {owner} until {until} ({'live' if live else 'lapsed'})",
                 )
             elif row["state"] == "created":
-                self.fail(inv, f"run {run_id}", "ended or paused after the drain", "created, never run")
+                self.fail(inv, f"run {describe(key)}", "ended or paused after the drain", "created, never run")
 
     def no_double_charge(self) -> None:
         inv = "no_double_charge"
@@ -408,12 +434,12 @@ class Checker:
                 times = ", ".join(t.isoformat(timespec="milliseconds") for t in row["at"])
                 self.fail(
                     inv,
-                    f"run {row['run_id']} call {row['call_id']}",
+                    f"run {describe(run_key(row))} call {row['call_id']}",
                     "at most one charge (charge is not retry-safe)",
                     f"{row['times']} charges, at {times}",
                 )
-            if row["run_id"] not in self.ledger.runs:
-                self.fail(inv, f"run {row['run_id']}", "charges only by runs the harness started", "a charge")
+            if self.plan_of(run_key(row)) is None:
+                self.fail(inv, f"run {describe(run_key(row))}", "charges only by runs the harness started", "a charge")
 
     # --- notices -----------------------------------------------------------------------------------
 
@@ -428,12 +454,12 @@ class Checker:
                 self.fail(inv, subject, "exactly one Notice in the outbox", f"{len(rows)}")
                 continue
             body = _json(rows[0]["body"])
-            if body["run_id"] != run_id or body["run_revision"] != revision:
+            if run_key(rows[0]) != run_key(event) or body["run_id"] != run_id or body["run_revision"] != revision:
                 self.fail(
                     inv,
                     subject,
-                    f"a Notice for run {run_id} at revision {revision}",
-                    f"run {body['run_id']} at revision {body['run_revision']}",
+                    f"a Notice for run {describe(run_key(event))} at revision {revision}",
+                    f"run {body['run_id']} of {rows[0]['app']}/{rows[0]['tenant']} at revision {body['run_revision']}",
                 )
             if not self.captured.get(rows[0]["message_id"]):
                 self.fail(
@@ -442,7 +468,7 @@ class Checker:
                     f"its Notice {rows[0]['message_id']} delivered on intermission.events",
                     "never captured",
                 )
-            self._heard(sid, run_id, body["reason"])
+            self._heard(sid, run_key(event), body["reason"])
         for mid, deliveries in self.captured.items():
             first = deliveries[0]
             if not first.routing_key.startswith("notice.") or first.body is None:
@@ -450,12 +476,16 @@ class Checker:
             self.result.checked[inv] += 1
             announced = first.body.get("suspension_id")
             paused = self.paused.get(announced) if isinstance(announced, int) else None
-            if paused is None or paused["run_id"] != first.body.get("run_id"):
+            scope = first.body.get("scope")
+            named = (
+                (scope.get("app"), scope.get("tenant"), first.body.get("run_id")) if isinstance(scope, dict) else None
+            )
+            if paused is None or run_key(paused) != named:
                 self.fail(
                     inv,
                     f"notice {mid}",
                     "a pause it announces (paused event of that run)",
-                    f"none for suspension {announced} of run {first.body.get('run_id')}",
+                    f"none for suspension {announced} of run {first.body.get('run_id')} of {scope}",
                 )
             elif paused["revision"] != first.body.get("run_revision"):
                 self.fail(
@@ -465,10 +495,11 @@ class Checker:
                     f"revision {first.body.get('run_revision')}",
                 )
 
-    def _heard(self, sid: int, run_id: str, reason: str) -> None:
-        plan = self.ledger.runs.get(run_id)
+    def _heard(self, sid: int, key: RunKey, reason: str) -> None:
+        plan = self.plan_of(key)
         if plan is None:
             return
+        run_id = key[2]
         inv = "notices_heard"
         self.result.checked[inv] += 1
         if sid not in plan.heard_by_host:
@@ -500,8 +531,8 @@ class Checker:
         inbox = mine[0] if mine else None
         resumed = self.resumed_rows.get(mid, [])
         for row in resumed:
-            if run_id is not None and row["run_id"] != run_id:
-                problems.append(f"run.resumed for run {row['run_id']}, not {run_id}")
+            if run_id is not None and (row["run_id"] != run_id or not _at(row, command.scope)):
+                problems.append(f"run.resumed for run {describe(run_key(row))}, not {run_id} of {command.scope}")
         if inbox is not None and inbox["routing_key"] != key:
             problems.append(f"inbox records it as {inbox['routing_key']}")
         # A reply's message_id is recorded in the inbox with its admission, which is its claim and writes
@@ -711,7 +742,7 @@ class Checker:
                 )
 
     def _sweeper_expiry(self, inv: str, mid: str, row: asyncpg.Record) -> None:
-        run = self.snap.runs.get(row["run_id"])
+        run = self.snap.runs.get(run_key(row))
         if run is None or run["state"] != "failed" or not (run["error"] or "").startswith(EXPIRE_PREFIX):
             self.fail(
                 inv,
@@ -729,8 +760,8 @@ class Checker:
             if count:
                 self.fail(inv, f"table {table}", f"no row at scope {self.foreign_app}/*", f"{count} rows")
         self.result.checked[inv] += len(self.snap.runs)
-        for table, run_id in self.snap.forged:
-            self.fail(inv, f"run {run_id}", "no forged or foreign payload applied", f"one in {table}")
+        for table, key in self.snap.forged:
+            self.fail(inv, f"run {describe(key)}", "no forged or foreign payload applied", f"one in {table}")
         for row in self.snap.admissions:
             self.result.checked[inv] += 1
             if row["forged"]:
@@ -749,7 +780,7 @@ class Checker:
                     self.fail(inv, subject, f"a decision by one of {list(row['approvers'])}", f"decided by {decider}")
                 if decider == self.mallory:
                     self.fail(inv, subject, "no decision by a non-approver", f"decided by {decider}")
-                plan = self.ledger.runs.get(row["run_id"])
+                plan = self.plan_of(run_key(row))
                 if plan is not None and row["state"] == "denied" and plan.fate is not Fate.DENY:
                     self.fail(
                         inv,
@@ -854,8 +885,9 @@ class Checker:
 
     def expiries(self) -> None:
         inv = "expiries"
-        for run_id, row in self.snap.runs.items():
-            plan = self.ledger.runs.get(run_id)
+        for key, row in self.snap.runs.items():
+            run_id = describe(key)
+            plan = self.plan_of(key)
             expired = row["state"] == "failed" and (row["error"] or "").startswith(EXPIRE_PREFIX)
             if plan is not None and plan.fate is Fate.EXPIRE:
                 self.result.checked[inv] += 1
@@ -869,7 +901,7 @@ class Checker:
             if not expired:
                 continue
             self.result.checked[inv] += 1
-            notice = self.last_notice.get(run_id)
+            notice = self.last_notice.get(key)
             deadline = datetime.fromisoformat(notice["expires_at"]) if notice and notice.get("expires_at") else None
             if deadline is None:
                 self.fail(inv, f"run {run_id}", "an expiry only of a pause with a deadline", "its last pause had none")
@@ -887,11 +919,12 @@ class Checker:
                     f"no expiry (fate {plan.fate.value}: every pause answered)",
                     f"failed: {row['error']}",
                 )
-        for run_id, live in self.snap.suspensions.items():
+        for key, live in self.snap.suspensions.items():
+            run_id = describe(key)
             for suspension in live:
                 self.result.checked[inv] += 1
                 expires = suspension["expires_at"]
-                run = self.snap.runs.get(run_id)
+                run = self.snap.runs.get(key)
                 if expires is not None and expires < self.snap.now and run is not None and run["state"] == "paused":
                     self.fail(
                         inv,
@@ -902,16 +935,17 @@ class Checker:
 
     def ends_match_events(self) -> None:
         inv = "ends_match_events"
-        by_run: dict[str, list[asyncpg.Record]] = defaultdict(list)
+        by_run: dict[RunKey, list[asyncpg.Record]] = defaultdict(list)
         for event in self.snap.run_events:
             if event["kind"] in TERMINAL_KEYS:
-                by_run[event["run_id"]].append(event)
-        for run_id, row in self.snap.runs.items():
+                by_run[run_key(event)].append(event)
+        for key, row in self.snap.runs.items():
             if row["state"] not in ("completed", "failed", "cancelled"):
                 continue
             self.result.checked[inv] += 1
-            events = by_run.get(run_id, [])
-            outbox = self.terminal_rows.get(run_id, [])
+            run_id = describe(key)
+            events = by_run.get(key, [])
+            outbox = self.terminal_rows.get(key, [])
             kinds = [e["kind"] for e in events]
             keys = [r["routing_key"].split(".")[1] for r in outbox]
             if len(events) != 1 or TERMINAL_KEYS[events[0]["kind"]] != row["state"]:
@@ -957,7 +991,8 @@ class Checker:
             assert command.run_id is not None
             self.result.checked[inv] += 1
             subject = f"{name} start {command.describe()}"
-            row = self.snap.runs.get(command.run_id)
+            assert command.scope is not None  # a flood's start is keyed for the flooder's scope
+            row = self.snap.runs.get((command.scope.app, command.scope.tenant, command.run_id))
             recorded = bool(self.inbox_by_mid.get(command.message_id))
             refused = bool(self.refusals.get(command.message_id))
             if refused and row is not None:

@@ -99,7 +99,11 @@ class Drain:
             self.why = f"database unreachable: {exc}"
             return False
         try:
-            states = {r["id"]: r["state"] for r in await con.fetch("SELECT id, state FROM runs")}
+            # By run key: a run id is unique only within its scope.
+            states = {
+                (r["app"], r["tenant"], r["id"]): r["state"]
+                for r in await con.fetch("SELECT app, tenant, id, state FROM runs")
+            }
             unsent = await con.fetchval("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
             for row in await con.fetch(
                 "SELECT id, message_id::text AS mid FROM outbox WHERE id > $1 ORDER BY id", self.watermark
@@ -112,7 +116,11 @@ class Drain:
         finally:
             with contextlib.suppress(Exception):
                 await con.close()
-        started = [c.run_id for c in self.ledger.commands if c.purpose == "start" and c.confirmed and c.run_id]
+        started = [
+            (c.scope.app, c.scope.tenant, c.run_id)
+            for c in self.ledger.commands
+            if c.purpose == "start" and c.confirmed and c.run_id and c.scope is not None
+        ]
         missing = [r for r in started if r not in states]
         # A flood's start is settled once applied (its run exists) or refused (its refusal and its dead
         # copy heard).
@@ -121,7 +129,8 @@ class Drain:
             for c in self.ledger.commands
             if c.purpose == "tenant_flood"
             and c.confirmed
-            and c.run_id not in states
+            and c.scope is not None
+            and (c.scope.app, c.scope.tenant, c.run_id) not in states
             and not (
                 c.message_id is not None
                 and self.observer.was_rejected(c.message_id)
@@ -130,9 +139,9 @@ class Drain:
         ]
         unsettled = [
             run_id
-            for run_id, state in states.items()
+            for (app, tenant, run_id), state in states.items()
             if state not in ("completed", "failed", "cancelled")
-            and not (state == "paused" and self.ledger.runs[run_id].fate is Fate.ABANDON)
+            and not (state == "paused" and self._abandoned(app, tenant, run_id))
         ]
         undelivered = self.outbox_ids - self.observer.seen_ids
         unheard = self._unheard()
@@ -155,6 +164,12 @@ class Drain:
         return not (
             missing or unresolved or unsettled or unsent or undelivered or unrefused or unheard or self.sim.busy
         )
+
+    def _abandoned(self, app: str, tenant: str, run_id: str) -> bool:
+        """Whether the run is one the harness started and means to leave paused (a run of one of its ids at
+        another scope is not its run)."""
+        plan = self.ledger.runs.get(run_id)
+        return plan is not None and (plan.scope.app, plan.scope.tenant) == (app, tenant) and plan.fate is Fate.ABANDON
 
     def _unheard(self) -> int:
         """Captured notices that the host's (and for agent asks the bus's) subscription has not delivered

@@ -75,7 +75,6 @@ class Observer:
     # Indexes kept as events arrive (first delivery of each id counts once).
     seen_ids: set[str] = field(default_factory=set)
     rejected: dict[str, dict[str, Any]] = field(default_factory=dict)
-    rejected_by_run: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     resumed_by: dict[str, int] = field(default_factory=dict)
     completed_at: list[float] = field(default_factory=list)
     # The message ids of every dead-lettered copy (the drain asks of each refused command).
@@ -121,9 +120,6 @@ class Observer:
                 mid = body.get("message_id")
                 if isinstance(mid, str) and mid:
                     self.rejected[mid] = body
-                run_id = body.get("run_id")
-                if isinstance(run_id, str):
-                    self.rejected_by_run.setdefault(run_id, []).append(body)
             elif key.startswith("run.resumed.") and event.correlation_id:
                 self.resumed_by[event.correlation_id] = self.resumed_by.get(event.correlation_id, 0) + 1
             elif key.startswith("run.completed."):

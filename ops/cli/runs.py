@@ -58,17 +58,19 @@ async def resolve(stores: Stores, run_id: str, app: str | None, tenant: str | No
 def _cursor(text: str | None) -> RunCursor | None:
     if text is None:
         return None
-    moment, sep, run_id = text.partition("~")
+    # The last run's change and key: neither a time, a scope part nor a run id holds a "~".
+    parts = text.split("~")
     try:
-        if not sep or not run_id:
+        if len(parts) != 4 or not all(parts[1:]):
             raise ValueError(text)
-        return RunCursor(datetime.fromisoformat(moment), run_id)
+        moment, app, tenant, run_id = parts
+        return RunCursor(datetime.fromisoformat(moment), run_id, app, tenant)
     except ValueError as exc:
         raise click.BadParameter(f"{text!r} is not a cursor printed by runs list", param_hint="--after") from exc
 
 
 def cursor_text(cursor: RunCursor) -> str:
-    return f"{cursor.updated_at.isoformat()}~{cursor.run_id}"
+    return f"{cursor.updated_at.isoformat()}~{cursor.app}~{cursor.tenant}~{cursor.run_id}"
 
 
 @runs_group.command("list")

@@ -138,16 +138,35 @@ SELECT *
 SELECT host(inet_server_addr()) AS address, inet_server_port() AS port;
 
 -- find_run_scopes --
--- Operators: the scopes a run id is found in, so that `intermission runs show RUN` needs no --app/--tenant
--- when the id names one run. $1 run id
-SELECT app, tenant FROM runs WHERE id = $1 ORDER BY app, tenant;
+-- Operators: the scopes a run id is found in (a run id is unique only within its scope), so that
+-- `intermission runs show RUN` needs no --app/--tenant when the id names one run. No index leads with the
+-- id alone (migration 0015: the planner would take one for the key), so this walks the key scope by scope:
+-- each next scope found by one probe of the key past the last (a loose index scan), then the id probed in
+-- it. It costs two probes per scope that has runs, never a pass over the runs. $1 run id
+WITH RECURSIVE scopes AS (
+    (SELECT r.app, r.tenant FROM runs r ORDER BY r.app, r.tenant LIMIT 1)
+    UNION ALL
+    SELECT n.app, n.tenant
+      FROM scopes s
+     CROSS JOIN LATERAL (
+         SELECT r.app, r.tenant FROM runs r
+          WHERE (r.app, r.tenant) > (s.app, s.tenant)
+          ORDER BY r.app, r.tenant
+          LIMIT 1) n
+)
+SELECT s.app, s.tenant
+  FROM scopes s
+ WHERE EXISTS (SELECT 1 FROM runs r WHERE r.app = s.app AND r.tenant = s.tenant AND r.id = $1)
+ ORDER BY s.app, s.tenant;
 
 -- list_run_summaries --
 -- Operators (`intermission runs list`): runs newest change first, each with its live pause's reason and
--- deadline (a paused run's), filtered by whichever of these is not NULL, after the keyset cursor ($8, $9)
--- in that order. $1 app, $2 tenant, $3 state, $4 the live pause's reason, $5 unchanged for at least so many
--- seconds, $6 a live pause's deadline within so many seconds from now (passed ones included), $7 limit,
--- $8 cursor updated_at, $9 cursor id
+-- deadline (a paused run's), filtered by whichever of these is not NULL, after the keyset cursor ($8 ..
+-- $11) in that order: the last change, then the run's key (id, app, tenant), so that runs of one id in two
+-- scopes changed at the same moment are both listed. $1 app, $2 tenant, $3 state, $4 the live pause's
+-- reason, $5 unchanged for at least so many seconds, $6 a live pause's deadline within so many seconds
+-- from now (passed ones included), $7 limit, $8 cursor updated_at, $9 cursor id, $10 cursor app,
+-- $11 cursor tenant
 SELECT r.id, r.app, r.tenant, r.agent_id, r.state::text AS state, r.revision, r.lease_owner,
        r.lease_expires_at, r.step_count, r.created_at, r.updated_at, r.ended_at,
        s.id AS suspension_id, s.reason::text AS reason, s.expires_at
@@ -159,8 +178,9 @@ SELECT r.id, r.app, r.tenant, r.agent_id, r.state::text AS state, r.revision, r.
    AND ($4::suspend_reason IS NULL OR s.reason = $4::suspend_reason)
    AND ($5::float8 IS NULL OR r.updated_at <= now() - make_interval(secs => $5::float8))
    AND ($6::float8 IS NULL OR s.expires_at <= now() + make_interval(secs => $6::float8))
-   AND ($8::timestamptz IS NULL OR (r.updated_at, r.id) < ($8::timestamptz, $9::text))
- ORDER BY r.updated_at DESC, r.id DESC
+   AND ($8::timestamptz IS NULL
+        OR (r.updated_at, r.id, r.app, r.tenant) < ($8::timestamptz, $9::text, $10::text, $11::text))
+ ORDER BY r.updated_at DESC, r.id DESC, r.app DESC, r.tenant DESC
  LIMIT $7;
 
 -- open_pauses --

@@ -120,8 +120,11 @@ SELECT run_id FROM (
 SELECT a.suspension_id, a.pinned_revision, a.claimed_revision, a.admitted_at, st.started_at, ex.expired_at,
        cl.closed_at
   FROM resume_admissions a
-  LEFT JOIN resume_starts st ON st.run_id = a.run_id AND st.suspension_id = a.suspension_id
-  LEFT JOIN resume_expiries ex ON ex.run_id = a.run_id AND ex.suspension_id = a.suspension_id
-  LEFT JOIN resume_closures cl ON cl.run_id = a.run_id AND cl.suspension_id = a.suspension_id
+  LEFT JOIN resume_starts st
+         ON st.app = a.app AND st.tenant = a.tenant AND st.run_id = a.run_id AND st.suspension_id = a.suspension_id
+  LEFT JOIN resume_expiries ex
+         ON ex.app = a.app AND ex.tenant = a.tenant AND ex.run_id = a.run_id AND ex.suspension_id = a.suspension_id
+  LEFT JOIN resume_closures cl
+         ON cl.app = a.app AND cl.tenant = a.tenant AND cl.run_id = a.run_id AND cl.suspension_id = a.suspension_id
  WHERE a.run_id = $1 AND a.app = $2 AND a.tenant = $3
  ORDER BY a.suspension_id;

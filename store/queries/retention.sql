@@ -63,20 +63,29 @@ SELECT count(*) AS pruned FROM gone;
 -- What a prune would remove now, per table, without removing anything (`intermission prune --dry-run`).
 -- $1 run retention, $2 inbox window, $3 outbox retention, $4 session retention (all seconds)
 WITH ended AS (
-    SELECT r.id FROM runs r
+    SELECT r.app, r.tenant, r.id FROM runs r
      WHERE r.ended_at IS NOT NULL AND r.ended_at < now() - make_interval(secs => $1::float8)
        AND r.state IN ('completed', 'failed', 'cancelled')
 )
 SELECT (SELECT count(*) FROM ended) AS runs,
-       (SELECT count(*) FROM suspensions x WHERE x.run_id IN (SELECT id FROM ended)) AS suspensions,
-       (SELECT count(*) FROM checkpoints x WHERE x.run_id IN (SELECT id FROM ended)) AS checkpoints,
-       (SELECT count(*) FROM progress x WHERE x.run_id IN (SELECT id FROM ended)) AS progress,
-       (SELECT count(*) FROM resume_admissions x WHERE x.run_id IN (SELECT id FROM ended)) AS resume_admissions,
-       (SELECT count(*) FROM resume_starts x WHERE x.run_id IN (SELECT id FROM ended)) AS resume_starts,
-       (SELECT count(*) FROM resume_expiries x WHERE x.run_id IN (SELECT id FROM ended)) AS resume_expiries,
-       (SELECT count(*) FROM resume_closures x WHERE x.run_id IN (SELECT id FROM ended)) AS resume_closures,
-       (SELECT count(*) FROM run_events x WHERE x.run_id IN (SELECT id FROM ended)) AS run_events,
-       (SELECT count(*) FROM demo_charges x WHERE x.run_id IN (SELECT id FROM ended)) AS demo_charges,
+       (SELECT count(*) FROM suspensions x
+         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS suspensions,
+       (SELECT count(*) FROM checkpoints x
+         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS checkpoints,
+       (SELECT count(*) FROM progress x
+         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS progress,
+       (SELECT count(*) FROM resume_admissions x
+         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS resume_admissions,
+       (SELECT count(*) FROM resume_starts x
+         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS resume_starts,
+       (SELECT count(*) FROM resume_expiries x
+         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS resume_expiries,
+       (SELECT count(*) FROM resume_closures x
+         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS resume_closures,
+       (SELECT count(*) FROM run_events x
+         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS run_events,
+       (SELECT count(*) FROM demo_charges x
+         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS demo_charges,
        (SELECT count(*) FROM inbox i WHERE i.recorded_at < now() - make_interval(secs => $2::float8)) AS inbox,
        (SELECT count(*) FROM outbox o
          WHERE o.sent_at IS NOT NULL AND o.sent_at < now() - make_interval(secs => $3::float8)

@@ -133,7 +133,11 @@ async def test_a_worker_killed_between_a_batch_commit_and_its_acks_loses_nothing
             "SELECT message_id, count(*) AS n FROM inbox WHERE message_id = ANY($1) GROUP BY message_id", resume_ids
         )
         charges = await con.raw.fetch(
-            "SELECT run_id, count(*) AS n FROM demo_charges WHERE run_id = ANY($1) GROUP BY run_id", run_ids
+            "SELECT run_id, count(*) AS n FROM demo_charges"
+            " WHERE app = $1 AND tenant = $2 AND run_id = ANY($3) GROUP BY run_id",
+            scope.app,
+            scope.tenant,
+            run_ids,
         )
     assert sorted(r["message_id"] for r in per_message) == sorted(resume_ids)
     assert {r["n"] for r in per_message} == {1}

@@ -74,7 +74,7 @@ async def test_a_cancelled_run_whose_worker_dies_is_finished_as_cancelled_by_the
     assert holder is not None
     assert holder != canceller.fleet.owner
     assert run.step_count == 1  # finished where it stood: the next step never ran
-    assert await charges(stores, cmd.run_id) == {}
+    assert await charges(stores, scope, cmd.run_id) == {}
     assert await outbox_keys(stores, scope, cmd.run_id) == [f"run.cancelled.{scope.app}.{scope.tenant}"]
     async with stores.db.connection() as con:
         assert await con.raw.fetchval("SELECT count(*) FROM progress WHERE run_id = $1", cmd.run_id) == 0

@@ -115,12 +115,12 @@ async def settle(stores: Stores, scope: Scope, survivor: Worker, run_ids: list[s
             resumed = sum(k.startswith("run.resumed.") for k in keys)
             assert run.state is not RunState.RUNNING, f"{run_id} left running"
             if run.state is RunState.PAUSED:
-                assert await suspension_count(stores, run_id) == 1
+                assert await suspension_count(stores, scope, run_id) == 1
                 assert notices == resumed + 1, keys
                 paused.append(run)
             else:
                 assert run.state.is_terminal
-                assert await suspension_count(stores, run_id) == 0
+                assert await suspension_count(stores, scope, run_id) == 0
                 assert notices == resumed, keys
         if not paused:
             return
@@ -139,7 +139,7 @@ async def settle(stores: Stores, scope: Scope, survivor: Worker, run_ids: list[s
 async def assert_no_call_ran_twice(stores: Stores, scope: Scope, run_ids: list[str]) -> dict[str, dict[str, int]]:
     ledger: dict[str, dict[str, int]] = {}
     for run_id in run_ids:
-        counts = await charges(stores, run_id)
+        counts = await charges(stores, scope, run_id)
         assert all(times == 1 for times in counts.values()), f"{run_id} charged twice: {counts}"
         ledger[run_id] = counts
         run = await stores.at(scope).runs.get_run(run_id)
@@ -191,7 +191,7 @@ async def test_killed_after_a_non_retry_safe_call_started(
     await crash_worker(database_url, plan, points.AFTER_STARTED)
     run_ids = await created(stores, scope, commands)
     # The worker died with its first charge handed over and the result unsaved.
-    died_in = [r for r in run_ids if (await charges(stores, r)).get("call-0-0")]
+    died_in = [r for r in run_ids if (await charges(stores, scope, r)).get("call-0-0")]
     assert died_in, "no charge ran before the crash"
     await settle(stores, scope, survivor, run_ids)
     await assert_no_call_ran_twice(stores, scope, run_ids)
@@ -200,7 +200,7 @@ async def test_killed_after_a_non_retry_safe_call_started(
     assert any("call-0-0" in calls for calls in unknown.values())
     for run_id in run_ids:
         for call_id in unknown[run_id]:
-            assert (await charges(stores, run_id)).get(call_id, 0) <= 1
+            assert (await charges(stores, scope, run_id)).get(call_id, 0) <= 1
 
 
 async def test_killed_between_two_steps(stores: Stores, scope: Scope, database_url: str, survivor: Worker) -> None:
@@ -223,7 +223,7 @@ async def test_killed_right_after_a_pause_committed(
     paused = [r for r in run_ids if (await stores.at(scope).runs.get_run(r)).state is RunState.PAUSED]
     assert paused, "no run had paused when the worker died"
     for run_id in paused:
-        assert await suspension_count(stores, run_id) == 1
+        assert await suspension_count(stores, scope, run_id) == 1
         assert sum(k.startswith("notice.") for k in await outbox_keys(stores, scope, run_id)) == 1
     await settle(stores, scope, survivor, run_ids)
     await assert_no_call_ran_twice(stores, scope, run_ids)

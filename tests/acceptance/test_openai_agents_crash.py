@@ -112,7 +112,7 @@ async def test_a_worker_killed_inside_an_approved_charge_never_charges_twice(
     await approve_in_a_worker_that_dies(settings, host, notice, points.AFTER_STARTED)
 
     # The charge ran; its result was never saved; the call is recorded as handed to its tool.
-    assert await charges(stores, cmd.run_id) == {"call-0-0-charge": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"call-0-0-charge": 1}
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.RUNNING
     progress = await stores.at(scope).progress.get_progress(cmd.run_id)
@@ -121,7 +121,7 @@ async def test_a_worker_killed_inside_an_approved_charge_never_charges_twice(
     await finished_by_a_survivor(settings, stores, scope, cmd.run_id)
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.output) == (RunState.COMPLETED, f"error: {OUTCOME_UNKNOWN}")
-    assert await charges(stores, cmd.run_id) == {"call-0-0-charge": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"call-0-0-charge": 1}
     keys = await outbox_keys(stores, scope, cmd.run_id)
     assert sum(k.startswith("run.resumed.") for k in keys) == 1
     assert keys[-1] == f"run.completed.{scope.app}.{scope.tenant}"
@@ -136,13 +136,13 @@ async def test_a_worker_killed_between_committing_a_decision_and_acknowledging_i
     cmd = start(scope, {"call": [{"tool": "charge", "arguments": {"amount": 5}}]}, {"say": "charged"})
     notice = await paused(settings, stores, host, cmd)
     await approve_in_a_worker_that_dies(settings, host, notice, points.AFTER_COMMIT)
-    assert await charges(stores, cmd.run_id) == {}
+    assert await charges(stores, scope, cmd.run_id) == {}
     assert (await stores.at(scope).runs.get_run(cmd.run_id)).state is RunState.RUNNING
 
     await finished_by_a_survivor(settings, stores, scope, cmd.run_id)
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.output, run.step_count) == (RunState.COMPLETED, "charged", 2)
-    assert await charges(stores, cmd.run_id) == {"call-0-0-charge": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"call-0-0-charge": 1}
     keys = await outbox_keys(stores, scope, cmd.run_id)
     assert sum(k.startswith("run.resumed.") for k in keys) == 1  # one effect, for two deliveries
 
@@ -168,14 +168,14 @@ async def test_a_worker_killed_after_saving_a_turn_is_taken_over_from_that_turn(
     assert [r.call_id for r in progress.done] == ["call-0-0-charge"]
     assert progress.done[0].content.endswith("charged 5.0")
     assert progress.continuation.step_index == 2
-    assert await charges(stores, cmd.run_id) == {"call-0-0-charge": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"call-0-0-charge": 1}
 
     await finished_by_a_survivor(settings, stores, scope, cmd.run_id)
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     # The survivor replayed the saved turn (not counted again), reused the charge's result, and took one
     # more turn: three in all.
     assert (run.state, run.output, run.step_count) == (RunState.COMPLETED, "done", 3)
-    assert await charges(stores, cmd.run_id) == {"call-0-0-charge": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"call-0-0-charge": 1}
 
 
 async def test_a_worker_killed_right_after_pausing_leaves_one_notice_that_another_worker_publishes(
@@ -209,6 +209,6 @@ async def test_a_worker_killed_right_after_pausing_leaves_one_notice_that_anothe
                 return (await stores.at(scope).runs.get_run(cmd.run_id)).state is RunState.COMPLETED
 
             await eventually(completed, within=WAIT, what="the run completed")
-    assert await charges(stores, cmd.run_id) == {"call-0-0-charge": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"call-0-0-charge": 1}
     keys = await outbox_keys(stores, scope, cmd.run_id)
     assert sum(k.startswith("notice.") for k in keys) == 1

@@ -75,11 +75,11 @@ def survivor(settings: Settings, tmp_path: Path) -> Any:
 async def assert_ended_once(stores: Stores, scope: Scope, run_id: str) -> None:
     run = await stores.at(scope).runs.get_run(run_id)
     assert run.state is RunState.COMPLETED, (run.state, run.error)
-    assert await suspension_count(stores, run_id) == 0
+    assert await suspension_count(stores, scope, run_id) == 0
     keys = await outbox_keys(stores, scope, run_id)
     assert sum(k.startswith("run.completed.") for k in keys) == 1, keys
     assert sum(k.startswith("notice.") for k in keys) == sum(k.startswith("run.resumed.") for k in keys), keys
-    assert all(times == 1 for times in (await charges(stores, run_id)).values())
+    assert all(times == 1 for times in (await charges(stores, scope, run_id)).values())
 
 
 async def running_with_started(stores: Stores, scope: Scope, run_id: str) -> list[str]:
@@ -106,13 +106,13 @@ async def test_killed_inside_an_approved_non_retry_safe_call(
                 )
             )
         # The payment ran once, and the worker died before its result was saved.
-        assert await charges(stores, cmd.run_id) == {"send_payment-0-0": 1}
+        assert await charges(stores, scope, cmd.run_id) == {"send_payment-0-0": 1}
         assert await running_with_started(stores, scope, cmd.run_id) == ["send_payment-0-0"]
         async with survivor(settings, tmp_path):
             done = await next_event(events, end_of(cmd.run_id))
     assert done.kind is RunEventKind.COMPLETED, done
     assert done.output == f'done: send_payment={{"error":"{OUTCOME_UNKNOWN}"}}'
-    assert await charges(stores, cmd.run_id) == {"send_payment-0-0": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"send_payment-0-0": 1}
     await assert_ended_once(stores, scope, cmd.run_id)
     session = await stores.at(scope).sessions.load(cmd.run_id)
     assert [m.tool_call_id for m in session if m.role is Role.TOOL and OUTCOME_UNKNOWN in m.content] == [
@@ -128,12 +128,12 @@ async def test_killed_after_a_non_retry_safe_call_ran_in_a_new_turn(
     async with host.subscribe(scope) as events:
         async with crashing(settings, tmp_path, points.AFTER_STARTED):
             await host.start(cmd)
-        assert await charges(stores, cmd.run_id) == {"charge-0-0": 1}
+        assert await charges(stores, scope, cmd.run_id) == {"charge-0-0": 1}
         assert await running_with_started(stores, scope, cmd.run_id) == ["charge-0-0"]
         async with survivor(settings, tmp_path):
             done = await next_event(events, end_of(cmd.run_id))
     assert done.output == f'done: charge={{"error":"{OUTCOME_UNKNOWN}"}}; echo=b'
-    assert await charges(stores, cmd.run_id) == {"charge-0-0": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"charge-0-0": 1}
     await assert_ended_once(stores, scope, cmd.run_id)
 
 
@@ -145,13 +145,13 @@ async def test_killed_right_after_a_saved_turn(
     async with host.subscribe(scope) as events:
         async with crashing(settings, tmp_path, points.BETWEEN_STEPS):
             await host.start(cmd)
-        assert await charges(stores, cmd.run_id) == {}
+        assert await charges(stores, scope, cmd.run_id) == {}
         assert await running_with_started(stores, scope, cmd.run_id) == []
         async with survivor(settings, tmp_path):
             done = await next_event(events, end_of(cmd.run_id))
     assert done.output is not None
     assert done.output.startswith("done: echo=a; charge=receipt ")
-    assert await charges(stores, cmd.run_id) == {"charge-0-1": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"charge-0-1": 1}
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.step_count == 2  # the saved turn was not asked of the model again
     await assert_ended_once(stores, scope, cmd.run_id)
@@ -165,11 +165,11 @@ async def test_killed_after_a_turns_results_were_saved(
     async with host.subscribe(scope) as events:
         async with crashing(settings, tmp_path, points.BETWEEN_STEPS, after=1):
             await host.start(cmd)
-        assert await charges(stores, cmd.run_id) == {"charge-0-0": 1}
+        assert await charges(stores, scope, cmd.run_id) == {"charge-0-0": 1}
         async with survivor(settings, tmp_path):
             done = await next_event(events, end_of(cmd.run_id))
     assert done.output == "done: echo=x"
-    assert await charges(stores, cmd.run_id) == {"charge-0-0": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"charge-0-0": 1}
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.step_count == 3
     await assert_ended_once(stores, scope, cmd.run_id)
@@ -184,7 +184,7 @@ async def test_killed_right_after_a_pause_committed(
             await host.start(cmd)
         run = await stores.at(scope).runs.get_run(cmd.run_id)
         assert run.state is RunState.PAUSED
-        assert await suspension_count(stores, cmd.run_id) == 1
+        assert await suspension_count(stores, scope, cmd.run_id) == 1
 
         async def one_notice() -> bool:
             return sum(k.startswith("notice.") for k in await outbox_keys(stores, scope, cmd.run_id)) == 1
@@ -201,7 +201,7 @@ async def test_killed_right_after_a_pause_committed(
     assert done.output is not None
     assert done.output.startswith("done: charge=receipt ")
     assert done.output.endswith("; lookup=42")
-    assert await charges(stores, cmd.run_id) == {"charge-0-0": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"charge-0-0": 1}
     await assert_ended_once(stores, scope, cmd.run_id)
 
 
@@ -227,7 +227,7 @@ async def test_killed_between_a_resumes_commit_and_its_acknowledgement(
             done = await next_event(events, end_of(cmd.run_id))
     assert done.output is not None
     assert done.output.startswith("done: charge=receipt ")
-    assert await charges(stores, cmd.run_id) == {"charge-1-0": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"charge-1-0": 1}
     await assert_ended_once(stores, scope, cmd.run_id)
     keys = await outbox_keys(stores, scope, cmd.run_id)
     assert keys.count(f"run.resumed.{scope.app}.{scope.tenant}") == 1  # one effect, for two deliveries
@@ -260,12 +260,12 @@ async def test_sigterm_releases_the_run_at_its_next_boundary_and_another_worker_
         assert (progress.continuation.step_index, progress.started) == (1, [])
         async with stores.db.connection() as con:
             assert await con.raw.fetchval("SELECT lease_expires_at <= now() FROM runs WHERE id = $1", cmd.run_id)
-        assert await charges(stores, cmd.run_id) == {}
+        assert await charges(stores, scope, cmd.run_id) == {}
         async with survivor(settings, tmp_path):
             done = await next_event(events, end_of(cmd.run_id))
     assert done.output is not None
     assert done.output.startswith("done: charge=receipt ")
-    assert await charges(stores, cmd.run_id) == {"charge-1-0": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"charge-1-0": 1}
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.step_count == 3  # no turn was asked of the model twice
     await assert_ended_once(stores, scope, cmd.run_id)

@@ -66,5 +66,5 @@ async def test_sigterm_releases_runs_at_their_next_boundary(stores: Stores, scop
         await survivor.fleet.drain()
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.output) == (RunState.COMPLETED, "finished")
-    assert await charges(stores, cmd.run_id) == {"call-1-0": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"call-1-0": 1}
     await survivor.fleet.stop(grace=1)

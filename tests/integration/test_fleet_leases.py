@@ -308,5 +308,5 @@ async def test_a_graceful_stop_releases_runs_at_a_boundary_for_another_worker(
     await second.drain()  # the released lease is taken over at once: no 30 s wait
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.output) == (RunState.COMPLETED, "finished")
-    assert await charges(stores, cmd.run_id) == {"call-1-0": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"call-1-0": 1}
     await second.fleet.stop(grace=1)

@@ -90,7 +90,7 @@ async def test_external_tool_pause_and_resume(stores: Stores, scope: Scope, w: W
     assert run.state is RunState.COMPLETED
     assert run.output == "sunny"
     assert run.revision == revision + 2  # the claim, then the end
-    assert await suspension_count(stores, cmd.run_id) == 0
+    assert await suspension_count(stores, scope, cmd.run_id) == 0
     assert await outbox_keys(stores, scope, cmd.run_id) == [
         f"notice.external_tool.{scope.app}.{scope.tenant}",
         f"run.resumed.{scope.app}.{scope.tenant}",
@@ -189,7 +189,7 @@ async def test_non_retry_safe_call_runs_once_and_local_calls_continue(stores: St
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.COMPLETED
     assert run.output == "paid"
-    assert await charges(stores, cmd.run_id) == {"call-0-1": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"call-0-1": 1}
 
 
 async def test_one_turn_asking_for_two_kinds_pauses_for_each_in_turn(stores: Stores, scope: Scope, w: Worker) -> None:
@@ -223,7 +223,7 @@ async def test_one_turn_asking_for_two_kinds_pauses_for_each_in_turn(stores: Sto
     assert s2.reason is SuspendReason.APPROVAL
     assert [p.id for p in s2.pending] == ["call-0-1"]
     assert s2.id != s.id
-    assert await suspension_count(stores, cmd.run_id) == 1  # exactly one live pause: the new one
+    assert await suspension_count(stores, scope, cmd.run_id) == 1  # exactly one live pause: the new one
     assert s2.checkpoint_id is not None
     await w.control.decide(
         DecideCommand(
@@ -268,7 +268,7 @@ async def test_resume_runs_under_the_stored_config_only(stores: Stores, scope: S
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.COMPLETED
     # charge was withdrawn before the pause, so it stays withdrawn after it: never run.
-    assert await charges(stores, cmd.run_id) == {}
+    assert await charges(stores, scope, cmd.run_id) == {}
     tool_messages = [m for m in await stores.at(scope).sessions.load(cmd.run_id) if m.role is Role.TOOL]
     assert "not available" in tool_messages[-1].content
 
@@ -288,7 +288,7 @@ async def test_resume_on_the_last_step_fails_as_max_steps_reached(stores: Stores
     assert run.state is RunState.FAILED
     assert run.error is not None
     assert run.error.startswith("max_steps_reached")
-    assert await suspension_count(stores, cmd.run_id) == 0
+    assert await suspension_count(stores, scope, cmd.run_id) == 0
     # The result was recorded before the run failed.
     assert [m.content for m in await stores.at(scope).sessions.load(cmd.run_id) if m.role is Role.TOOL] == ["r"]
 
@@ -334,7 +334,7 @@ async def test_cancel_ends_a_paused_run_and_rejects_its_checkpoint(stores: Store
     await w.drain()
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.CANCELLED
-    assert await suspension_count(stores, cmd.run_id) == 0
+    assert await suspension_count(stores, scope, cmd.run_id) == 0
     async with stores.db.connection() as con:
         state = await con.raw.fetchval("SELECT state FROM checkpoints WHERE id = $1", s.checkpoint_id)
     assert state == "rejected"

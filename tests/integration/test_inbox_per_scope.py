@@ -224,8 +224,10 @@ async def test_a_refusal_in_one_scope_removes_only_its_own_record(stores: Stores
     await apply(stores, Command.RESUME, kept.command, Receipt.of(SHARED_ID, Command.RESUME.value, kept.command))
     held = [(there.app, there.tenant, Command.RESUME.value, kept.run_id)]
 
-    # A start under a run id some run holds already: run_exists (intermission_start_run_v1).
-    taken = StartCommand(scope=here, run_id=kept.run_id, agent_id="demo")
+    # A start under a run id a run of its own scope holds already: run_exists (intermission_start_run_v1).
+    # (Another scope's run of that id, like kept's, would not refuse it: run ids are keyed by scope.)
+    mine, _ = await running_run(stores, here)
+    taken = StartCommand(scope=here, run_id=mine.id, agent_id="demo", input="another start")
     with pytest.raises(RunExists):
         await apply(stores, Command.START, taken, Receipt.of(SHARED_ID, Command.START.value, taken))
     assert await recorded(db, SHARED_ID) == held

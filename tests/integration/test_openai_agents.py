@@ -137,7 +137,7 @@ async def test_an_approved_call_pauses_then_runs_once_and_the_run_completes(
     assert (prepared.format, prepared.version) == (ENVELOPE_FORMAT, ENVELOPE_VERSION)
     assert prepared.state is not None
     assert json.loads(prepared.state)["current_turn"] == 1  # the SDK counts the turn it took
-    assert await charges(stores, cmd.run_id) == {}  # nothing runs before the decision
+    assert await charges(stores, scope, cmd.run_id) == {}  # nothing runs before the decision
 
     await decide(host, notice, Decision.APPROVE)
     done = await next_for(events, cmd.run_id, ended(RunEventKind.COMPLETED))
@@ -145,8 +145,8 @@ async def test_an_approved_call_pauses_then_runs_once_and_the_run_completes(
 
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.output, run.step_count) == (RunState.COMPLETED, "charged", 2)
-    assert await charges(stores, cmd.run_id) == {"call-0-0-charge": 1}
-    assert await suspension_count(stores, cmd.run_id) == 0
+    assert await charges(stores, scope, cmd.run_id) == {"call-0-0-charge": 1}
+    assert await suspension_count(stores, scope, cmd.run_id) == 0
     keys = await outbox_keys(stores, scope, cmd.run_id)
     tail = f"{scope.app}.{scope.tenant}"
     assert [k for k in keys if not k.startswith("run.metadata")] == [
@@ -168,7 +168,7 @@ async def test_a_denied_call_never_runs_and_fails_the_run_with_the_deciders_reas
     assert failed.error == "too much"
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert (run.state, run.error) == (RunState.FAILED, "too much")
-    assert await charges(stores, cmd.run_id) == {}
+    assert await charges(stores, scope, cmd.run_id) == {}
 
 
 async def test_a_denial_can_be_handed_to_the_model_as_a_rejection(
@@ -182,7 +182,7 @@ async def test_a_denial_can_be_handed_to_the_model_as_a_rejection(
         await decide(host, notice, Decision.DENY, reason="too much")
         done = await next_for(events, cmd.run_id, ended(RunEventKind.COMPLETED))
     assert done.output == "denied: too much"
-    assert await charges(stores, cmd.run_id) == {}
+    assert await charges(stores, scope, cmd.run_id) == {}
 
 
 @pytest.mark.usefixtures("running")
@@ -226,7 +226,7 @@ async def test_max_steps_counts_the_turns_of_the_whole_run_across_its_pauses(
     assert failed.error == "max_steps_reached: the run used all 2 steps"
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.step_count == 2
-    assert await charges(stores, cmd.run_id) == {"call-0-0-charge": 1, "call-1-0-charge": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"call-0-0-charge": 1, "call-1-0-charge": 1}
 
 
 @pytest.mark.usefixtures("running")
@@ -243,7 +243,7 @@ async def test_a_duplicated_decision_resumes_the_run_once(
     first = await host.decide(decision)
     await host.decide(decision, message_id=first)
     await next_for(events, cmd.run_id, ended(RunEventKind.COMPLETED))
-    assert await charges(stores, cmd.run_id) == {"call-0-0-charge": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"call-0-0-charge": 1}
     keys = await outbox_keys(stores, scope, cmd.run_id)
     assert sum(k.startswith("run.resumed.") for k in keys) == 1
 
@@ -258,7 +258,7 @@ async def test_a_config_the_sdk_agent_cannot_honour_fails_the_run_before_the_age
     assert failed.error.startswith("unsupported_config: model:")
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.step_count == 0
-    assert await charges(stores, cmd.run_id) == {}
+    assert await charges(stores, scope, cmd.run_id) == {}
 
 
 @pytest.mark.usefixtures("running")
@@ -287,7 +287,7 @@ async def test_a_pause_stored_by_version_1_of_the_integration_still_resumes(
     )
     done = await next_for(events, run.id, ended(RunEventKind.COMPLETED))
     assert done.output == "charged"
-    assert await charges(stores, run.id) == {"call-0-1-charge": 1}
+    assert await charges(stores, scope, run.id) == {"call-0-1-charge": 1}
     ended_run = await stores.at(scope).runs.get_run(run.id)
     assert ended_run.step_count == 2
 
@@ -301,8 +301,8 @@ async def test_a_call_of_a_tool_the_run_was_not_given_fails_the_run_and_runs_not
     await host.start(cmd)
     failed = await next_for(events, cmd.run_id, ended(RunEventKind.FAILED))
     assert failed.error == "executor_error: ModelBehaviorError"
-    assert await charges(stores, cmd.run_id) == {}
-    assert await suspension_count(stores, cmd.run_id) == 0
+    assert await charges(stores, scope, cmd.run_id) == {}
+    assert await suspension_count(stores, scope, cmd.run_id) == 0
 
 
 async def test_a_cancel_of_a_running_sdk_run_ends_it_before_its_next_call(
@@ -343,7 +343,7 @@ async def test_a_cancel_of_a_running_sdk_run_ends_it_before_its_next_call(
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.CANCELLED
     # It ended at its next boundary (before its next model turn, or at that turn's save): the booking never ran.
-    assert await charges(stores, cmd.run_id) == {}
+    assert await charges(stores, scope, cmd.run_id) == {}
 
 
 async def test_calls_that_share_no_decider_pause_one_after_the_other_and_each_runs_once_approved(

@@ -247,6 +247,34 @@ async def test_runs_show_a_run_with_its_pause_progress_admissions_events_and_tra
     assert_down(await cli(env_of(closed_database(), amqp_url), "runs", "show", run_id), "PostgreSQL")
 
 
+async def test_runs_show_and_list_tell_runs_of_one_id_in_two_scopes_apart(
+    stores: Stores, db: Inspector, scope: Scope, other_scope: Scope, database_url: str
+) -> None:
+    """A run id is unique only within its scope: an id two scopes hold needs --app/--tenant to name a run,
+    and a listing pages through both runs of it even when they changed at the same moment."""
+    env = env_of(database_url, closed_broker())
+    run_id = f"shared-{uuid.uuid4().hex[:10]}"
+    mine = await paused_run(stores, scope, run_id=run_id)
+    theirs = await paused_run(stores, other_scope, run_id=run_id, reason=SuspendReason.APPROVAL)
+
+    ambiguous = await cli(env, "runs", "show", run_id, "--json")
+    assert_missing(ambiguous, f"run {run_id} is in several scopes ({scope}, {other_scope})")
+    for which, paused in ((scope, mine), (other_scope, theirs)):
+        shown = parsed(await cli(env, "runs", "show", run_id, "--app", which.app, "--tenant", which.tenant, "--json"))
+        assert shown["run"]["scope"] == {"app": which.app, "tenant": which.tenant}
+        assert shown["pause"]["suspension_id"] == paused.suspension.id
+        assert shown["pause"]["reason"] == paused.suspension.reason.value
+
+    await db.con.execute("UPDATE runs SET updated_at = now() - interval '1 hour' WHERE id = $1", run_id)
+    first = parsed(await cli(env, "runs", "list", "--json", "--limit", "1"))
+    second = parsed(await cli(env, "runs", "list", "--json", "--limit", "1", "--after", first["next"]))
+    last = parsed(await cli(env, "runs", "list", "--json", "--limit", "1", "--after", second["next"]))
+    listed = [(r["id"], r["app"], r["tenant"]) for r in first["runs"] + second["runs"] + last["runs"]]
+    assert sorted(listed) == sorted([(run_id, s.app, s.tenant) for s in (scope, other_scope)])
+    assert last["next"] is None
+    assert_usage(await cli(env, "runs", "list", "--after", f"2026-01-01T00:00:00+00:00~{run_id}"), "not a cursor")
+
+
 # --- runs cancel ---------------------------------------------------------------------------------------
 
 
@@ -416,7 +444,10 @@ async def test_doctor_finds_what_is_wrong_and_exits_1(
     assert ran.exit_code == 1, ran.output
     found = checks(json.loads(ran.stdout))
     assert found["stale_leases"]["status"] == "fail"
-    assert found["stale_leases"]["details"] == {"total": 1, "runs": [stale.id]}
+    assert found["stale_leases"]["details"] == {
+        "total": 1,
+        "runs": [{"id": stale.id, "app": scope.app, "tenant": scope.tenant}],
+    }
     assert found["outbox_lag"]["status"] == "fail"
     assert found["outbox_lag"]["details"]["pending"] == 1
     assert found["outbox_quarantine"]["status"] == "fail"

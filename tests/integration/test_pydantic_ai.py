@@ -119,7 +119,7 @@ async def answer(host: HostClient, scope: Scope, n: Notice, **contents: str) -> 
 async def assert_ended_cleanly(stores: Stores, scope: Scope, run_id: str, state: RunState) -> None:
     run = await stores.at(scope).runs.get_run(run_id)
     assert run.state is state, (run.state, run.error)
-    assert await suspension_count(stores, run_id) == 0
+    assert await suspension_count(stores, scope, run_id) == 0
     keys = await outbox_keys(stores, scope, run_id)
     notices = sum(k.startswith("notice.") for k in keys)
     assert notices == sum(k.startswith("run.resumed.") for k in keys), keys
@@ -136,13 +136,13 @@ async def test_an_approval_approved_runs_the_call_once(
         assert [(p.id, p.name, json.loads(p.arguments)) for p in n.pending] == [
             ("send_payment-0-0", "send_payment", {"to": "bob", "amount": 5})
         ]
-        assert await charges(stores, cmd.run_id) == {}  # nothing ran before the decision
+        assert await charges(stores, scope, cmd.run_id) == {}  # nothing ran before the decision
         await approve(host, scope, n)
         done = await ended(events, cmd.run_id)
     assert done.kind is RunEventKind.COMPLETED, done
     assert done.output is not None
     assert done.output.startswith("done: send_payment=paid 5.0 to bob (receipt ")
-    assert await charges(stores, cmd.run_id) == {"send_payment-0-0": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"send_payment-0-0": 1}
     await assert_ended_cleanly(stores, scope, cmd.run_id, RunState.COMPLETED)
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.output == done.output
@@ -158,7 +158,7 @@ async def test_an_approval_denied_fails_the_run_with_the_reason_and_runs_nothing
         await approve(host, scope, n, Decision.DENY, "not this month")
         done = await ended(events, cmd.run_id)
     assert (done.kind, done.error) == (RunEventKind.FAILED, "not this month")
-    assert await charges(stores, cmd.run_id) == {}
+    assert await charges(stores, scope, cmd.run_id) == {}
     await assert_ended_cleanly(stores, scope, cmd.run_id, RunState.FAILED)
 
 
@@ -230,11 +230,11 @@ async def test_one_turn_needing_all_three_kinds_pauses_three_times_then_asks_the
         second = await notice(events, cmd.run_id, first)
         assert (second.reason, [p.name for p in second.pending]) == (SuspendReason.APPROVAL, ["send_payment"])
         # Nothing was handed to pydantic-ai yet: it takes a turn's answers all at once.
-        assert await charges(stores, cmd.run_id) == {"charge-0-1": 1}
+        assert await charges(stores, scope, cmd.run_id) == {"charge-0-1": 1}
         await approve(host, scope, second)
         third = await notice(events, cmd.run_id, second)
         assert (third.reason, [p.name for p in third.pending]) == (SuspendReason.EXTERNAL_TOOL, ["lookup"])
-        assert await charges(stores, cmd.run_id) == {"charge-0-1": 1}
+        assert await charges(stores, scope, cmd.run_id) == {"charge-0-1": 1}
         await answer(host, scope, third, lookup="found")
         done = await ended(events, cmd.run_id)
     assert done.kind is RunEventKind.COMPLETED, done
@@ -245,8 +245,8 @@ async def test_one_turn_needing_all_three_kinds_pauses_three_times_then_asks_the
         r"lookup=found",
         done.output,
     ), done.output
-    assert set(await charges(stores, cmd.run_id)) == {"charge-0-1", "send_payment-0-2"}
-    assert all(times == 1 for times in (await charges(stores, cmd.run_id)).values())
+    assert set(await charges(stores, scope, cmd.run_id)) == {"charge-0-1", "send_payment-0-2"}
+    assert all(times == 1 for times in (await charges(stores, scope, cmd.run_id)).values())
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.step_count == 2  # one model call for the turn, one after the last answer
     await assert_ended_cleanly(stores, scope, cmd.run_id, RunState.COMPLETED)
@@ -298,7 +298,7 @@ async def test_a_narrowed_tool_list_still_holds_after_a_resume(
     assert done.kind is RunEventKind.COMPLETED, done
     # pydantic-ai never saw ``charge`` offered, and refused the call as an unknown tool.
     assert done.output == """done: charge={"error":"Unknown tool name: 'charge'. Available tools: 'echo', 'lookup'"}"""
-    assert await charges(stores, cmd.run_id) == {}
+    assert await charges(stores, scope, cmd.run_id) == {}
 
 
 async def test_an_empty_restricted_tool_list_offers_no_tool(
@@ -310,7 +310,7 @@ async def test_an_empty_restricted_tool_list_offers_no_tool(
         done = await ended(events, cmd.run_id)
     assert done.kind is RunEventKind.COMPLETED, done
     assert done.output == """done: charge={"error":"Unknown tool name: 'charge'. No tools available."}"""
-    assert await charges(stores, cmd.run_id) == {}
+    assert await charges(stores, scope, cmd.run_id) == {}
 
 
 async def test_max_steps_holds_across_pauses(
@@ -376,7 +376,7 @@ async def test_the_same_decision_sent_twice_has_one_effect(
         await host.decide(decision, message_id=decide_id)
         done = await ended(events, cmd.run_id)
     assert done.kind is RunEventKind.COMPLETED, done
-    assert await charges(stores, cmd.run_id) == {"send_payment-0-0": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"send_payment-0-0": 1}
     keys = await outbox_keys(stores, scope, cmd.run_id)
     assert keys.count(f"run.resumed.{scope.app}.{scope.tenant}") == 1
     assert keys.count(f"run.completed.{scope.app}.{scope.tenant}") == 1
@@ -458,7 +458,7 @@ async def test_a_running_run_cancelled_ends_at_its_next_boundary_before_its_next
         await host.cancel(CancelCommand(scope=scope, run_id=cmd.run_id, reason="stop now"))
         done = await ended(events, cmd.run_id)
     assert (done.kind, done.error) == (RunEventKind.CANCELLED, "stop now")
-    assert await charges(stores, cmd.run_id) == {}  # the next turn's call never ran
+    assert await charges(stores, scope, cmd.run_id) == {}  # the next turn's call never ran
     run = await stores.at(scope).runs.get_run(cmd.run_id)
     assert run.state is RunState.CANCELLED
     keys = await outbox_keys(stores, scope, cmd.run_id)

@@ -90,7 +90,7 @@ async def test_a_stored_version_1_envelope_resumes_to_the_end(stores: Stores, sc
         r"lookup=found",
         run.output,
     ), run.output
-    assert await charges(stores, cmd.run_id) == {"charge-0-1": 1, "send_payment-0-2": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"charge-0-1": 1, "send_payment-0-2": 1}
     await fleet.stop(grace=1)
 
 

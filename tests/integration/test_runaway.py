@@ -100,7 +100,7 @@ async def test_a_non_retry_safe_call_among_many_is_still_written_to_started_befo
     await w.control.start(cmd)
     await w.drain()
     assert (await stores.at(scope).runs.get_run(cmd.run_id)).state is RunState.COMPLETED
-    assert await charges(stores, cmd.run_id) == {"call-0-150": 1}
+    assert await charges(stores, scope, cmd.run_id) == {"call-0-150": 1}
     # First snapshot, the turn, the charge's started save (carrying the 150 results before it), the boundary.
     assert await progress_writes(counted, cmd.run_id) == 4
 
@@ -122,7 +122,7 @@ async def test_the_tool_call_budget_fails_a_runaway_turn_before_any_of_its_calls
         assert run.state is RunState.FAILED
         assert run.error is not None
         assert run.error.startswith("max_tool_calls_reached:")
-        assert await charges(stores, runaway.run_id) == {}  # from the first turn: nothing ran
+        assert await charges(stores, scope, runaway.run_id) == {}  # from the first turn: nothing ran
         assert run.step_count == 1
         # The refused turn is not saved into the session, and the start's first snapshot was all it wrote.
         assert [m.role for m in await stores.at(scope).sessions.load(runaway.run_id)] == [Role.USER]

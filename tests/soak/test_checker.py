@@ -29,6 +29,9 @@ SCOPE = Scope(app="soak", tenant="t0")
 MALLORY = Scope(app="soak-foreign", tenant="mallory")
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 RUN = "soak-1-00000"
+# The run's key, as the checker names runs: (app, tenant, id).
+KEY = (SCOPE.app, SCOPE.tenant, RUN)
+SCOPED = {"app": SCOPE.app, "tenant": SCOPE.tenant}
 ANSWER = f"answer:{RUN}:1"
 FORGED_REPLY = "non_bus_reply:abc"
 
@@ -94,7 +97,7 @@ def world() -> tuple[Ledger, list[Row], dict[str, Any]]:
     ]
     db: dict[str, Any] = {
         "runs": {
-            RUN: {
+            KEY: {
                 "id": RUN,
                 "app": SCOPE.app,
                 "tenant": SCOPE.tenant,
@@ -107,14 +110,14 @@ def world() -> tuple[Ledger, list[Row], dict[str, Any]]:
             }
         },
         "run_events": [
-            {"run_id": RUN, "kind": "paused", "revision": 1, "data": json.dumps({"suspension_id": 1})},
-            {"run_id": RUN, "kind": "completed", "revision": 3, "data": "{}"},
+            {**SCOPED, "run_id": RUN, "kind": "paused", "revision": 1, "data": json.dumps({"suspension_id": 1})},
+            {**SCOPED, "run_id": RUN, "kind": "completed", "revision": 3, "data": "{}"},
         ],
         "inbox": {
             (SCOPE.app, SCOPE.tenant, f"start:{RUN}"): inbox_row(SCOPE, f"start:{RUN}", "run.start"),
             (SCOPE.app, SCOPE.tenant, ANSWER): inbox_row(SCOPE, ANSWER, "run.resume"),
         },
-        "charges": [{"run_id": RUN, "call_id": "call-0-0", "times": 1, "at": [NOW]}],
+        "charges": [{**SCOPED, "run_id": RUN, "call_id": "call-0-0", "times": 1, "at": [NOW]}],
         "forged": [],
         "rejections": [refusal(FORGED_REPLY, "forbidden")],
         # Dead-lettered copies: (message id, x-intermission-error).
@@ -194,11 +197,11 @@ def _unsent(_ledger: Ledger, outbox: list[Row], _db: dict[str, Any]) -> None:
 
 
 def _left_running(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> None:
-    db["runs"][RUN].update(state="running", lease_owner="worker-1", lease_expires_at=NOW - timedelta(seconds=5))
+    db["runs"][KEY].update(state="running", lease_owner="worker-1", lease_expires_at=NOW - timedelta(seconds=5))
 
 
 def _forged_applied(_ledger: Ledger, _outbox: list[Row], db: dict[str, Any]) -> None:
-    db["forged"] = [("session_messages", RUN)]
+    db["forged"] = [("session_messages", KEY)]
 
 
 def _lost_notice(_ledger: Ledger, outbox: list[Row], _db: dict[str, Any]) -> None:
@@ -223,13 +226,17 @@ def _refused_for_the_wrong_reason(_ledger: Ledger, _outbox: list[Row], db: dict[
 @pytest.mark.parametrize(
     ("breakage", "invariant", "words"),
     [
-        (_double_charge, "no_double_charge", f"run {RUN} call call-0-0: expected at most one charge"),
+        (_double_charge, "no_double_charge", f"run {RUN} of soak/t0 call call-0-0: expected at most one charge"),
         (_refused_answer, "one_effect_per_command", "expected exactly one effect and no refusal; found 1 effect(s)"),
         (_second_effect, "one_effect_per_command", "found 2 effect(s)"),
         (_unsent, "outbox_delivered", "expected marked sent; found unsent"),
         (_event_without_row, "outbox_delivered", "expected an outbox row with its message id"),
         (_left_running, "no_running_after_drain", "found running, lease worker-1"),
-        (_forged_applied, "scope_and_authority", f"run {RUN}: expected no forged or foreign payload applied"),
+        (
+            _forged_applied,
+            "scope_and_authority",
+            f"run {RUN} of soak/t0: expected no forged or foreign payload applied",
+        ),
         (_lost_notice, "notices_match_pauses", "expected exactly one Notice in the outbox; found 0"),
         (_unrefused_forgery, "one_effect_per_command", "expected a command.rejected event with a code in"),
         (_refused_for_the_wrong_reason, "one_effect_per_command", "found codes ['not_suspended']"),
@@ -442,11 +449,12 @@ def _with_flood(ledger: Ledger, outbox: list[Row], db: dict[str, Any], *, waited
         {
             **outbox_row(9, f"notice.external_tool.{FLOOD.routing_suffix()}", json.dumps(notice), f"start:{APPLIED}"),
             "run_id": APPLIED,
+            "app": FLOOD.app,
             "tenant": FLOOD.tenant,
         }
     )
-    db["runs"][APPLIED] = {
-        **db["runs"][RUN],
+    db["runs"][(FLOOD.app, FLOOD.tenant, APPLIED)] = {
+        **db["runs"][KEY],
         "id": APPLIED,
         "tenant": FLOOD.tenant,
         "state": "paused",
@@ -454,12 +462,21 @@ def _with_flood(ledger: Ledger, outbox: list[Row], db: dict[str, Any], *, waited
         "ended_at": None,
     }
     db["suspensions"] = {
-        APPLIED: [
+        (FLOOD.app, FLOOD.tenant, APPLIED): [
             {"id": 2, "run_id": APPLIED, "app": FLOOD.app, "tenant": FLOOD.tenant, "reason": "external_tool"}
             | {"expires_at": None}
         ]
     }
-    db["run_events"].append({"run_id": APPLIED, "kind": "paused", "revision": 1, "data": json.dumps(notice)})
+    db["run_events"].append(
+        {
+            "run_id": APPLIED,
+            "app": FLOOD.app,
+            "tenant": FLOOD.tenant,
+            "kind": "paused",
+            "revision": 1,
+            "data": json.dumps(notice),
+        }
+    )
     db["inbox"][(FLOOD.app, FLOOD.tenant, f"start:{APPLIED}")] = inbox_row(FLOOD, f"start:{APPLIED}", "run.start")
     db["rejections"].append(refusal(f"start:{REFUSED}", "quota_exceeded", scope=FLOOD))
     db["dead"].append((f"start:{REFUSED}", "quota_exceeded"))
@@ -563,11 +580,11 @@ def test_a_probe_never_heard_is_reported_even_during_a_server_fault() -> None:
 
 
 def _refused_start_that_ran(ledger: Ledger, outbox: list[Row], db: dict[str, Any]) -> None:
-    db["runs"][REFUSED] = {**db["runs"][APPLIED], "id": REFUSED}
+    db["runs"][(FLOOD.app, FLOOD.tenant, REFUSED)] = {**db["runs"][(FLOOD.app, FLOOD.tenant, APPLIED)], "id": REFUSED}
 
 
 def _applied_start_without_its_run(ledger: Ledger, outbox: list[Row], db: dict[str, Any]) -> None:
-    del db["runs"][APPLIED]
+    del db["runs"][(FLOOD.app, FLOOD.tenant, APPLIED)]
 
 
 def _over_the_quota(ledger: Ledger, outbox: list[Row], db: dict[str, Any]) -> None:
@@ -589,3 +606,18 @@ def test_each_broken_guarantee_of_a_flood_is_reported(breakage: Breakage, words:
     breakage(ledger, outbox, db)
     found = flood_violations(check(ledger, outbox, db))
     assert any(words in v for v in found), found
+
+
+def test_a_run_of_a_planned_id_at_another_scope_is_another_run_the_harness_never_started() -> None:
+    # A run id is unique only within its scope: a tenant reusing the plan's id made a run of its own, which
+    # neither hides the plan's run nor passes for it.
+    ledger, outbox, db = copy.deepcopy(world())
+    db["runs"][(MALLORY.app, MALLORY.tenant, RUN)] = {**db["runs"][KEY], "app": MALLORY.app, "tenant": MALLORY.tenant}
+    found = [str(v) for v in check(ledger, outbox, db).violations]
+    assert [v for v in found if v.startswith("[runs_settled]")] == [
+        f"[runs_settled] run {RUN} of soak-foreign/mallory: expected only runs the harness started;"
+        " found a completed run"
+    ]
+    # Everything found is about the foreign run (here: it wrote no events); the plan's run passes.
+    assert found
+    assert all(f"run {RUN} of soak-foreign/mallory" in v for v in found), found

@@ -81,15 +81,20 @@ async def outbox_bodies(stores: Stores, scope: Scope, run_id: str) -> list[dict[
     return [json.loads(r["body"]) for r in found]
 
 
-async def charges(stores: Stores, run_id: str) -> dict[str, int]:
-    async with stores.db.connection() as con:
-        found = await con.fetch("count_demo_charges", run_id)
-    return {r["call_id"]: r["times"] for r in found}
+async def charges(stores: Stores, scope: Scope, run_id: str) -> dict[str, int]:
+    return await stores.at(scope).ledger.times_charged(run_id)
 
 
-async def suspension_count(stores: Stores, run_id: str) -> int:
+async def suspension_count(stores: Stores, scope: Scope, run_id: str) -> int:
     async with stores.db.connection() as con:
-        return int(await con.raw.fetchval("SELECT count(*) FROM suspensions WHERE run_id = $1", run_id))
+        return int(
+            await con.raw.fetchval(
+                "SELECT count(*) FROM suspensions WHERE app = $1 AND tenant = $2 AND run_id = $3",
+                scope.app,
+                scope.tenant,
+                run_id,
+            )
+        )
 
 
 def readable(taken: list[Reclaimed | Unreadable]) -> list[Reclaimed]:
