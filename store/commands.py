@@ -46,6 +46,7 @@ from intermission.schemas.errors import (
     LimitExceeded,
     MessageIdConflict,
     NotSuspended,
+    ResumeAdmissionConflict,
     ResumeAdmissionNotFound,
     RunConflict,
     TransientError,
@@ -554,9 +555,17 @@ class CommandStore:
             raise
         check_authority(Source.BUS, suspension)
         first = reply_progress(suspension, cmd.reply_with, cmd.input, lease.owner)
-        admission = await evidence.admit_resume_leased(
-            request, lease, first, correlation_id=correlation_id, pause=suspension, receipt=receipt
-        )
+        try:
+            admission = await evidence.admit_resume_leased(
+                request, lease, first, correlation_id=correlation_id, pause=suspension, receipt=receipt
+            )
+        except ResumeAdmissionConflict:
+            # The admission function checks the inbox, then looks for an admission: a rival that reused this
+            # message_id with another body can commit both between those two reads. Its inbox record commits
+            # with its admission, so it is visible now: the message_id is what was reused.
+            if receipt is not None:
+                await self._refuse_reused_message_id(receipt, scope)
+            raise
         started = await evidence.start_resume_leased(
             cmd.version.run_id, cmd.version.suspension_id, admission.request_digest, lease, first
         )

@@ -184,6 +184,46 @@ async def test_race_replies_sharing_a_message_id_admit_once_and_the_other_body_i
         assert await con.raw.fetchval("SELECT count(*) FROM resume_admissions WHERE run_id = $1", s.run_id) == 1
 
 
+async def test_a_reply_queued_behind_a_rival_with_its_message_id_is_message_id_conflict(
+    stores: Stores, scope: Scope, w: Worker, db: Inspector
+) -> None:
+    """Two replies with one message_id and different bodies both pass the admission's inbox check before
+    either commits; the first's claim holds the inbox key while it waits on the run's row lock, the second
+    waits on that key. The first admits; the second's refusal is message_id_conflict (the message_id is what
+    was reused), never resume_admission_conflict. (The other window, a rival committing between the inbox
+    check and the admission lookup, has no point to stop at: the race test above meets it.)"""
+    s, pin = await agent_reply_pause(stores, scope, w)
+    bodies = [
+        ReplyCommand(scope=scope, version=pin, reply_with=s.pending[0].reply_with, input=f'"answer {i}"')
+        for i in range(2)
+    ]
+    lease = w.fleet.lease()
+
+    async def reply(body: ReplyCommand) -> Claimed | None:
+        return await stores.commands.reply(body, lease, receipt=reply_receipt("m-shared", body), correlation_id="m")
+
+    waiting_on_the_row = (
+        "SELECT count(*) = $1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    )
+    holder = db.con.transaction()
+    await holder.start()
+    try:
+        await db.con.execute("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE", s.run_id)
+        first = asyncio.create_task(reply(bodies[0]))
+        await db.wait_until(waiting_on_the_row, 1)
+        second = asyncio.create_task(reply(bodies[1]))
+        await db.wait_until(waiting_on_the_row, 2)
+        await holder.commit()
+    except BaseException:
+        await holder.rollback()
+        raise
+    assert isinstance(await first, Claimed)
+    with pytest.raises(MessageIdConflict):
+        await second
+    async with stores.db.connection() as con:
+        assert await con.raw.fetchval("SELECT count(*) FROM resume_admissions WHERE run_id = $1", s.run_id) == 1
+
+
 # --- cancel ---------------------------------------------------------------------------------------------
 
 LOOKUPS = [{"call": [{"tool": "lookup", "arguments": {"n": i}}]} for i in range(40)]
