@@ -1,0 +1,46 @@
+"""Where the events a commit caused go: the one interface between the engine and whatever publishes.
+
+An event is written to the outbox in the transaction that caused it, so it can never be lost. Most events
+are also known whole by the writer before the commit; those are handed to the sink right after the commit,
+to be published from memory without waiting for a relay to read them back. Their rows wait
+``hold_seconds`` for the sink meanwhile (migration 0009): a relay publishes a held row only if the sink did
+not get it confirmed and marked sent by then (a crash, an outage), so an event leaves at least once and,
+in the common case, once.
+
+The relay implements this (``publishers/relay.py``); tests use ``CollectedEvents``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from intermission.store.outbox import OutboxEvent
+
+
+class EventSink(Protocol):
+    """Takes the events of each commit, in commit order, right after the commit."""
+
+    @property
+    def hold_seconds(self) -> float:
+        """How long the rows of handed events wait for this sink before a relay may publish them."""
+        ...
+
+    def committed(self, events: Sequence[OutboxEvent]) -> None:
+        """The events one commit wrote and hands over; must not block (publishing happens elsewhere)."""
+        ...
+
+
+class CollectedEvents:
+    """An ``EventSink`` that keeps what it is handed, for tests and for callers that publish nothing."""
+
+    def __init__(self, hold_seconds: float = 3.0) -> None:
+        self._hold_seconds = hold_seconds
+        self.events: list[OutboxEvent] = []
+
+    @property
+    def hold_seconds(self) -> float:
+        return self._hold_seconds
+
+    def committed(self, events: Sequence[OutboxEvent]) -> None:
+        self.events.extend(events)
