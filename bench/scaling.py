@@ -84,6 +84,7 @@ from intermission.store import Stores
 from intermission.store.inbox import Receipt
 from intermission.store.rows import PENDING, SCRIPT
 from intermission.wire import COMMAND_QUEUES, Command
+from tests.support.factories import writes
 
 APP = "bench"
 TENANTS = 16
@@ -222,7 +223,7 @@ async def time_claims(
             )
             starts["claim"].append(time.time())
             started = time.perf_counter()
-            await stores.at(scope).suspensions.claim_suspension_leased(claim)
+            await writes(stores, scope).suspensions.claim_suspension_leased(claim)
             timings["claim"].append(time.perf_counter() - started)
         else:
             command = ResumeCommand(

@@ -8,23 +8,23 @@ bounded sets (command names, outcomes, error codes), never run ids or scopes.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from intermission.consumers.handlers import CommandHandlers, WorkerHooks
-from intermission.consumers.parsing import Delivery
+from intermission.engine.observer import Quiet
+from intermission.engine.transition import Family
 from intermission.schemas.suspension import SuspendReason
-from intermission.store import Stores
 from intermission.store.across_scopes import PAUSE_AGES, OutboxLag, PauseFigures
-from intermission.store.commands import AnswerRequest, Claimed
-from intermission.wire import Command
 
 if TYPE_CHECKING:
     from intermission.publishers.relay import OutboxRelay
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class _RelayCollector:
@@ -55,7 +55,10 @@ class _RelayCollector:
             )
 
 
-class WorkerMetrics:
+class WorkerMetrics(Quiet):
+    """What a worker reports, as an observer of its engine (``engine/observer.py``): each command's outcome
+    and transaction time, each statement the committer ran, and the fleet's own figures."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.commands = Counter(
@@ -91,10 +94,25 @@ class WorkerMetrics:
         self.command_seconds = Histogram(
             "intermission_command_transaction_seconds",
             "How long one command's transaction took in this worker (its claim, start, cancel, reply: the read,"
-            " the transition and the commit), by command; `batch` for a group commit of resumes, decisions and"
-            " expiries, observed once per batch. Retried attempts are observed each.",
+            " the transition and the commit, waiting for the batch it went in included), by command. Retried"
+            " attempts are observed each.",
             ["command"],
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            buckets=_SECONDS,
+            registry=self.registry,
+        )
+        self.commit_seconds = Histogram(
+            "intermission_commit_seconds",
+            "How long one statement of the engine's committer took (every transition that waited with it went"
+            " in it), by transition.",
+            ["transition"],
+            buckets=_SECONDS,
+            registry=self.registry,
+        )
+        self.commit_size = Histogram(
+            "intermission_commit_transitions",
+            "How many transitions one statement of the engine's committer carried, by transition.",
+            ["transition"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
             registry=self.registry,
         )
         self.lease_takeovers = Counter(
@@ -113,34 +131,22 @@ class WorkerMetrics:
         """Expose ``relay``'s refusals, quarantines and the quarantined rows' count."""
         self.registry.register(_RelayCollector(relay))
 
-    def command(self, command: Command, outcome: str, code: str) -> None:
-        self.commands.labels(command.value, outcome, code).inc()
+    # --- as the engine's observer ---------------------------------------------------------------------
 
+    def settled(self, command: str, outcome: str, code: str) -> None:
+        self.commands.labels(command, outcome, code).inc()
 
-class TimedHandlers(CommandHandlers):
-    """The worker's command handlers, each transaction timed into ``intermission_command_transaction_seconds``.
+    def applied(self, command: str, seconds: float) -> None:
+        self.command_seconds.labels(command).observe(seconds)
 
-    Timed here, around the handlers the ack policy calls, rather than inside the policy or the store: the
-    hot path itself stays as it is, and every attempt the policy makes (a retry after a transient error
-    too) is one observation."""
-
-    def __init__(self, stores: Stores, hooks: WorkerHooks, seconds: Histogram) -> None:
-        super().__init__(stores, hooks)
-        self._seconds = seconds
-
-    async def apply(self, command: Command, delivery: Delivery, message_id: str) -> Claimed | None:
+    @contextlib.contextmanager
+    def committing(self, family: Family, callers: Sequence[object]) -> Iterator[None]:
         started = time.perf_counter()
         try:
-            return await super().apply(command, delivery, message_id)
+            yield
         finally:
-            self._seconds.labels(command.value).observe(time.perf_counter() - started)
-
-    async def answer_batch(self, batch: list[tuple[Command, AnswerRequest]]) -> list[Claimed | Exception]:
-        started = time.perf_counter()
-        try:
-            return await super().answer_batch(batch)
-        finally:
-            self._seconds.labels("batch").observe(time.perf_counter() - started)
+            self.commit_seconds.labels(family.name).observe(time.perf_counter() - started)
+            self.commit_size.labels(family.name).observe(len(callers))
 
 
 class SweeperMetrics:

@@ -26,6 +26,11 @@ import logging
 from contextlib import AbstractAsyncContextManager
 
 from intermission.agent.executor import EndedOnRequest, Executor, RunContext, RunHandle, StopAtBoundary
+from intermission.engine.commands import Claimed
+from intermission.engine.core import Engine
+from intermission.engine.holding import Reclaimed, ReclaimLapsed, ReleaseLease, Unreadable
+from intermission.engine.replies import StartResume
+from intermission.engine.runs import EndRun
 from intermission.fleet.admission import Admission
 from intermission.fleet.identity import incarnation
 from intermission.fleet.lease import LeaseKeeper
@@ -47,10 +52,7 @@ from intermission.schemas.run import Lease, Run
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, Ending, EndingKind, Progress
 from intermission.store import Stores
-from intermission.store.across_scopes import Unreadable
-from intermission.store.commands import Claimed
 from intermission.store.leases import LeaseLine
-from intermission.store.runs import Reclaimed
 from intermission.tracing import annotate, failed
 
 log = logging.getLogger("intermission.fleet")
@@ -59,12 +61,16 @@ RECLAIM_TASK = "reclaim-sweep"
 
 
 class Fleet:
+    """``engine``: what every change of a run is applied through, under this worker's lease (one over
+    ``stores`` when none is given); ``stores``: the reads a takeover needs."""
+
     def __init__(
         self,
         stores: Stores,
         settings: Settings,
         executor: Executor,
         *,
+        engine: Engine | None = None,
         owner: str | None = None,
         metrics: WorkerMetrics | None = None,
         supervisor: Supervisor | None = None,
@@ -75,6 +81,7 @@ class Fleet:
         self.settings = settings
         self.executor = executor
         self.owner = owner or incarnation()
+        self.engine = (engine or Engine.over(stores)).under(lease=self.lease())
         # Each run's task, by the run's key: its scope and id (an id is unique only within its scope).
         self._tasks: dict[tuple[Scope, str], asyncio.Task[None]] = {}
         self.admission = Admission(settings.runs_in_flight, lambda: len(self._tasks))
@@ -166,7 +173,7 @@ class Fleet:
             progress = progress.model_copy(update={"ending": claimed.run.ending})
         lease = Lease(owner=claimed.run.lease_owner or self.owner, ttl_seconds=self.settings.lease_seconds)
         ctx = RunContext(
-            self.stores,
+            self.engine,
             claimed.run,
             progress,
             lease,
@@ -174,6 +181,7 @@ class Fleet:
             stopping=self._stopping,
             handle=handle,
             history_limit=self.settings.session_history_messages,
+            ledger=self.stores.at(claimed.run.scope).ledger,
         )
         me = asyncio.current_task()
         assert me is not None
@@ -242,7 +250,7 @@ class Fleet:
         if ctx.handle.lost or ctx.handle.ended or ctx.handle.paused:
             return
         with contextlib.suppress(IntermissionError):
-            await self.stores.at(ctx.scope).runs.release_lease(ctx.run.id, ctx.owner)
+            await self.engine.apply(ReleaseLease(ctx.scope, ctx.run.id, ctx.owner))
 
     # --- reclaim -----------------------------------------------------------------------------------
 
@@ -264,7 +272,7 @@ class Fleet:
         self.admission.hold(batch)
         held = batch
         try:
-            taken = await self.stores.across_scopes.reclaim_lapsed(self.lease(), batch)
+            taken = await self.engine.apply(ReclaimLapsed(self.lease(), batch))
         except BaseException:
             self.admission.give_back(held)
             raise
@@ -277,7 +285,7 @@ class Fleet:
                 extra = {"run_id": run_id, "scope": str(scope)}
                 try:
                     if isinstance(one, Unreadable):
-                        await self._quarantine(one.run_id, one.scope, InvalidContinuation(one.detail))
+                        await self._quarantine(one.run_id, one.scope, one.revision, InvalidContinuation(one.detail))
                     else:
                         await self._continue_reclaimed(one)
                 except TransientError as exc:
@@ -309,14 +317,14 @@ class Fleet:
         try:
             progress = await self._grant_admitted_start(run, progress)
         except PermanentError as exc:
-            await self._quarantine(run.id, run.scope, exc, traceparent=progress.continuation.traceparent)
+            await self._quarantine(run.id, run.scope, run.revision, exc, traceparent=progress.continuation.traceparent)
             return
         log.info("reclaimed a run", extra={"action": "run_reclaimed", "run_id": run.id, "scope": str(run.scope)})
         self.metrics.reclaimed.inc()
         self.submit(Claimed(run=run, progress=progress, suspension=None, correlation_id=None), taken_over=True)
 
     async def _quarantine(
-        self, run_id: str, scope: Scope, error: IntermissionError, *, traceparent: str | None = None
+        self, run_id: str, scope: Scope, revision: int, error: IntermissionError, *, traceparent: str | None = None
     ) -> None:
         """End a run that can never be continued ``failed``, with its code, under the lease just taken (its
         ``run.failed`` in the run's trace, when its snapshot could be read)."""
@@ -324,8 +332,16 @@ class Fleet:
             "a reclaimed run cannot be continued; ending it failed",
             extra={"action": "run_quarantined", "run_id": run_id, "code": error.code, "detail": error.detail},
         )
-        await self.stores.at(scope).runs.end_run(
-            run_id, self.owner, RunEventKind.FAILED, error=f"{error.code}: {error.detail}", traceparent=traceparent
+        await self.engine.apply(
+            EndRun(
+                scope,
+                run_id,
+                self.owner,
+                revision,
+                RunEventKind.FAILED,
+                error=f"{error.code}: {error.detail}",
+                traceparent=traceparent,
+            )
         )
         self.metrics.quarantined.inc()
 
@@ -347,7 +363,7 @@ class Fleet:
         except ResumeAdmissionNotFound:
             pass
         try:
-            await resume.start_resume_leased(run.id, key, admission.request_digest, self.lease())
+            await self.engine.apply(StartResume(run.scope, run.id, key, admission.request_digest, self.lease()))
         except SuspensionExpired as exc:
             ending = Ending(kind=EndingKind.EXPIRE, reason=exc.detail)
             return progress.model_copy(update={"ending": ending})

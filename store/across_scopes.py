@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
 
-from intermission.schemas.errors import InvalidArgument, InvalidContinuation
-from intermission.schemas.run import Lease, Run, RunState
+from intermission.schemas.errors import InvalidArgument
+from intermission.schemas.run import Run, RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, SuspendReason, Suspension
 from intermission.store import rows
 from intermission.store.db import Conn, Database
-from intermission.store.runs import Reclaimed, check_lease
 from intermission.wire import HeaderValue
 
 # A pause named by its run's scope and id and its own id.
@@ -175,16 +174,6 @@ class OutboxEntry:
 
 
 @dataclass(frozen=True)
-class Unreadable:
-    """A run taken over whose stored row or snapshot does not decode: it can never be continued."""
-
-    run_id: str
-    # As stored, unvalidated: the end that quarantines the run is written under it.
-    scope: Scope
-    detail: str
-
-
-@dataclass(frozen=True)
 class RunningCount:
     running: int
     leased: int
@@ -235,51 +224,6 @@ class AcrossScopes:
             )
             for r in found
         ]
-
-    # --- the reclaim sweep -------------------------------------------------------------------------
-
-    async def reclaim_lapsed(self, lease: Lease, limit: int) -> list[Reclaimed | Unreadable]:
-        """Take up to ``limit`` running runs of any scope whose lease lapsed, each under ``lease`` with
-        its progress handed over, skipping runs another worker is taking right now.
-
-        Each run is decoded on its own, after the takeover commits: a run or snapshot that cannot be read
-        comes back as ``Unreadable`` (held by ``lease`` now, for the caller to end) and the rest of the
-        batch as usual. Decoding inside the transaction would let one bad row roll back the whole batch on
-        every sweep of every worker, and since it sorts first each time, no lapsed run would ever move."""
-        check_lease(lease)
-        if limit < 1:
-            raise InvalidArgument("limit must be at least 1")
-        async with self.db.transaction() as con:
-            taken = await con.fetch(
-                "take_over",
-                owner=lease.owner,
-                lease_ttl=lease.ttl_seconds,
-                limit=limit,
-                run_id=None,
-                app=None,
-                tenant=None,
-                first_continuation=None,
-                first_started=None,
-                first_done=None,
-                first_ending=None,
-                first_approved=None,
-            )
-        reclaimed: list[Reclaimed | Unreadable] = []
-        for r in taken:
-            try:
-                run = rows.run_from_row(r["run"])
-                reclaimed.append(Reclaimed(run, rows.taken_progress(r["progress"], run)))
-            except (InvalidContinuation, ValueError) as exc:  # ValueError: pydantic's, and an unknown state's
-                raw = r["run"]
-                scope = Scope.model_construct(app=raw["app"], tenant=raw["tenant"])
-                # Never the value itself: a stored row may hold what must not reach a log or an event.
-                detail = (
-                    exc.detail
-                    if isinstance(exc, InvalidContinuation)
-                    else f"stored run is malformed ({type(exc).__name__})"
-                )
-                reclaimed.append(Unreadable(run_id=raw["id"], scope=scope, detail=detail[:500]))
-        return reclaimed
 
     # --- the outbox relay --------------------------------------------------------------------------
 
@@ -344,19 +288,6 @@ class AcrossScopes:
             )
             for r in found
         ]
-
-    async def retry_quarantined_outbox(self, ids: Sequence[int] | None) -> list[int]:
-        """Operators: hand quarantined rows back to the relay (``ids``, or every one when None) with their
-        attempts cleared; they go out under their own ``message_id``. Returns the ids retried: an id that is
-        not quarantined (sent, never refused, or retried already) is left alone and not among them. Every
-        relay is woken at the commit."""
-        if ids is not None and not ids:
-            return []
-        async with self.db.transaction() as con:
-            found = await con.fetch("retry_quarantined_outbox", list(ids) if ids is not None else None)
-            if found:
-                await con.fetchval("notify_outbox")
-        return [r["id"] for r in found]
 
     # --- operators ---------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
+from intermission.schemas.answers import publishable
 from intermission.schemas.config import RunConfig
 from intermission.schemas.errors import InvalidArgument
 from intermission.schemas.run import Run, RunState
@@ -26,7 +27,6 @@ from intermission.schemas.scope import Reach, Scope, require_scope
 from intermission.schemas.suspension import PendingCall, SuspendReason
 from intermission.store import rows
 from intermission.store.db import Database
-from intermission.store.runs import publishable
 
 MAX_LISTED: Final = 500
 

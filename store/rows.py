@@ -10,7 +10,8 @@ a run on values nobody wrote as such). A stored record without ``schema_version`
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any, TypeAlias, TypeVar
 
 import asyncpg
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -33,6 +34,10 @@ from intermission.schemas.suspension import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+
+# A row as the store hands it over: an asyncpg Record, or a mapping of the same columns (the engine's
+# in-memory committer).
+Out: TypeAlias = asyncpg.Record | Mapping[str, Any]
 T = TypeVar("T")
 
 PENDING = TypeAdapter(list[PendingCall])
@@ -93,7 +98,7 @@ def load_pending(raw: str) -> list[PendingCall]:
     return _load_list(PENDING, raw, "pending calls")
 
 
-def run_from_row(row: asyncpg.Record, prefix: str = "") -> Run:
+def run_from_row(row: Out, prefix: str = "") -> Run:
     def col(name: str) -> Any:
         return row[prefix + name]
 
@@ -122,7 +127,7 @@ def run_from_row(row: asyncpg.Record, prefix: str = "") -> Run:
     )
 
 
-def suspension_from_row(row: asyncpg.Record, prefix: str = "") -> Suspension:
+def suspension_from_row(row: Out, prefix: str = "") -> Suspension:
     def col(name: str) -> Any:
         return row[prefix + name]
 
@@ -140,11 +145,11 @@ def suspension_from_row(row: asyncpg.Record, prefix: str = "") -> Suspension:
     )
 
 
-def progress_from_row(row: asyncpg.Record) -> Progress:
+def progress_from_row(row: Out) -> Progress:
     return _progress(row, "", row["run_id"], Scope(app=row["app"], tenant=row["tenant"]), row["owner"])
 
 
-def taken_progress(row: asyncpg.Record, run: Run) -> Progress | None:
+def taken_progress(row: Out, run: Run) -> Progress | None:
     """The snapshot a takeover adopted (``row`` is a progress row), now owned by the run's new lease owner;
     None when the run had none."""
     if row is None:
@@ -152,7 +157,7 @@ def taken_progress(row: asyncpg.Record, run: Run) -> Progress | None:
     return _progress(row, "", run.id, run.scope, run.lease_owner or row["owner"])
 
 
-def _progress(row: asyncpg.Record, prefix: str, run_id: str, scope: Scope, owner: str) -> Progress:
+def _progress(row: Out, prefix: str, run_id: str, scope: Scope, owner: str) -> Progress:
     def col(name: str) -> Any:
         return row[prefix + name]
 

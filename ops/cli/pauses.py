@@ -10,6 +10,8 @@ from typing import Any
 
 import click
 
+from intermission.engine.core import Engine
+from intermission.engine.pauses import MovedDeadline, MoveDeadline
 from intermission.ops.cli.app import (
     DURATION,
     Problem,
@@ -33,7 +35,6 @@ from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
 from intermission.store.across_scopes import ExpiredPause
-from intermission.store.suspensions import MovedDeadline
 
 EXPIRE_WAIT_SECONDS = 30.0
 
@@ -64,9 +65,7 @@ async def live_pause_id(stores: Stores, scope: Scope, run_id: str) -> int:
 async def move(stores: Stores, scope: Scope, run_id: str, extend_by: float | None) -> MovedDeadline:
     pause_id = await live_pause_id(stores, scope, run_id)
     try:
-        return await stores.at(scope).suspensions.move_deadline(
-            run_id, pause_id, extend_by=extend_by, moved_by=operator()
-        )
+        return await Engine.over(stores).apply(MoveDeadline(scope, run_id, pause_id, extend_by, operator()))
     except NotSuspended as exc:
         # Answered, expired or cancelled between the read and the move: nothing was written.
         raise Problem(f"run {run_id} has no live pause any more ({exc.detail})") from exc

@@ -38,7 +38,7 @@ from intermission.wire import (
     rejected_key,
 )
 from tests.support import outbox as support_outbox
-from tests.support.factories import paused_run, running_run
+from tests.support.factories import paused_run, running_run, writes
 
 if TYPE_CHECKING:
     # Types only: importing tests.support.amqp here would defeat pytest's assertion rewriting of the plugin.
@@ -200,7 +200,7 @@ async def test_host_subscription_hears_its_scope_only_typed(
             paused = await paused_run(stores, scope, reason=SuspendReason.APPROVAL, approvers=["alice"])
             await reject(stores, other_scope, "cmd-other")
             run, held = await running_run(stores, scope)
-            await stores.at(scope).runs.end_run(
+            await writes(stores, scope).runs.end_run(
                 run.id, held.owner, RunEventKind.COMPLETED, output="done", correlation_id="cmd-end"
             )
             rejected_id = await reject(stores, scope, "cmd-bad")

@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator
 
 import pytest
+from intermission.store.commands import Claimed
 
 from intermission.schemas.commands import (
     CancelCommand,
@@ -31,12 +32,11 @@ from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Ending, EndingKind, PendingCall, SuspendReason, Suspension
 from intermission.store import Stores
-from intermission.store.commands import Claimed
 from intermission.store.inbox import AlreadyApplied, Receipt
 from intermission.store.runs import EndingRequested, Pause
 from intermission.wire import Command
 from tests.conftest import MakeStores, race
-from tests.support.factories import continuation, lease, paused_run, running_run
+from tests.support.factories import continuation, lease, paused_run, running_run, writes
 from tests.support.fleet import Worker, fast_settings, outbox_keys, start_command, worker
 from tests.support.inspect import Inspector, snapshot_for
 
@@ -332,7 +332,7 @@ async def test_a_cancel_of_a_run_held_by_a_plain_claim_is_not_suspended_and_touc
     """Scenario 31: the original's plain claim holds no lease, so nobody here could end the run; the run is
     its claimer's."""
     p = await paused_run(stores, scope)
-    await stores.at(scope).suspensions.claim_suspension(p.run.id)
+    await writes(stores, scope).suspensions.claim_suspension(p.run.id)
     before = await db.snapshot()
     with pytest.raises(NotSuspended):
         await stores.commands.cancel(CancelCommand(scope=scope, run_id=p.run.id), lease())
@@ -343,7 +343,7 @@ async def test_a_cancel_of_a_running_run_is_recorded_once_and_a_second_is_acknow
     stores: Stores, scope: Scope, db: Inspector
 ) -> None:
     run, held = await running_run(stores, scope)
-    await stores.at(scope).progress.save_progress(snapshot_for(run.id, held.owner))
+    await writes(stores, scope).progress.save_progress(snapshot_for(run.id, held.owner))
     cancel = CancelCommand(scope=scope, run_id=run.id, reason="first")
     receipt = Receipt.of("c-1", Command.CANCEL.value, cancel)
     assert await stores.commands.cancel(cancel, lease(), receipt=receipt) is None
@@ -356,16 +356,16 @@ async def test_a_cancel_of_a_running_run_is_recorded_once_and_a_second_is_acknow
         kind=EndingKind.CANCEL, reason="first"
     )
     # The holder, not knowing yet, saves: its snapshot cannot take the request back, and it is told.
-    saved = await stores.at(scope).progress.save_progress(snapshot_for(run.id, held.owner, step=3))
+    saved = await writes(stores, scope).progress.save_progress(snapshot_for(run.id, held.owner, step=3))
     assert saved.ending == Ending(kind=EndingKind.CANCEL, reason="first")
     assert (await stores.at(scope).progress.get_progress(run.id)).ending == saved.ending
     # Nor can it pause or complete now: it must end the run cancelled.
     with pytest.raises(EndingRequested):
-        await stores.at(scope).runs.pause_run(
+        await writes(stores, scope).runs.pause_run(
             run.id, held.owner, Pause(SuspendReason.EXTERNAL_TOOL, [PendingCall(id="c", name="lookup")], continuation())
         )
     with pytest.raises(EndingRequested):
-        await stores.at(scope).runs.end_run(run.id, held.owner, RunEventKind.COMPLETED, output="done anyway")
+        await writes(stores, scope).runs.end_run(run.id, held.owner, RunEventKind.COMPLETED, output="done anyway")
     # The same command again is a duplicate; another cancel is acknowledged with nothing more to ask.
     before = await db.snapshot()
     with pytest.raises(AlreadyApplied):
@@ -376,6 +376,6 @@ async def test_a_cancel_of_a_running_run_is_recorded_once_and_a_second_is_acknow
     )
     after = await db.snapshot()
     assert {k: v for k, v in after.items() if k != "inbox"} == {k: v for k, v in before.items() if k != "inbox"}
-    await stores.at(scope).runs.end_run(run.id, held.owner, RunEventKind.CANCELLED, error="first")
+    await writes(stores, scope).runs.end_run(run.id, held.owner, RunEventKind.CANCELLED, error="first")
     ended = await stores.at(scope).runs.get_run(run.id)
     assert (ended.state, ended.ending) == (RunState.CANCELLED, None)

@@ -25,6 +25,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, PendingCall, Progress, ProgressResult, SuspendReason
 from intermission.store import Stores
 from tests.integration.test_runaway import counted, progress_writes
+from tests.support.factories import writes
 from tests.support.inspect import Inspector
 
 __all__ = ["counted"]  # the fixture, used by name
@@ -75,7 +76,7 @@ def open_run(stores: Stores, scope: Scope) -> Open:
             ending=ending,
         )
         new = NewRun(run_id=run_id, agent_id="demo", input="hello", config=config)
-        created = await stores.at(scope).runs.create_run(new, lease, first)
+        created = await writes(stores, scope).runs.create_run(new, lease, first)
         ctx = RunContext(stores, created.run, first, lease, correlation_id=None, stopping=asyncio.Event())
         return DurableRun(ctx, executor="test", keeps_results=keeps_results, framework_limits=framework_limits), ctx
 

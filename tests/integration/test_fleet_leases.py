@@ -20,7 +20,7 @@ from intermission.schemas.suspension import PendingCall, Progress, SuspendReason
 from intermission.store import Stores
 from intermission.store.leases import LeaseLine
 from intermission.store.runs import Pause
-from tests.support.factories import continuation, running_run
+from tests.support.factories import continuation, running_run, writes
 from tests.support.fleet import charges, fast_settings, start_command, worker
 from tests.support.waiting import eventually
 
@@ -70,7 +70,7 @@ async def test_a_worker_whose_lease_was_taken_over_writes_nothing_more(stores: S
 
     await lapse(stores, run.id)
     new = Lease(owner="worker-new", ttl_seconds=30)
-    await stores.at(scope).runs.claim_continuation_leased(
+    await writes(stores, scope).runs.claim_continuation_leased(
         run.id, new, Progress(run_id=run.id, owner=new.owner, continuation=continuation(step=3))
     )
     before = await table_state(stores, run.id)
@@ -133,7 +133,7 @@ async def test_the_keeper_renews_and_reports_a_lost_lease(stores: Stores, scope:
     assert not lost.is_set()
 
     await lapse(stores, run.id)
-    await stores.at(scope).runs.claim_continuation_leased(run.id, Lease(owner="thief", ttl_seconds=30))
+    await writes(stores, scope).runs.claim_continuation_leased(run.id, Lease(owner="thief", ttl_seconds=30))
     async with asyncio.timeout(10):
         await lost.wait()
     assert keeper.held == 0
@@ -271,7 +271,7 @@ async def test_a_lost_lease_cancels_the_run_in_the_fleet(stores: Stores, scope: 
     task = next(iter(w.fleet._tasks.values()))
     await eventually(lambda: in_first_step(stores, scope, cmd.run_id), what="the sleep step began")
     await lapse(stores, cmd.run_id)
-    await stores.at(scope).runs.claim_continuation_leased(cmd.run_id, Lease(owner="thief", ttl_seconds=30))
+    await writes(stores, scope).runs.claim_continuation_leased(cmd.run_id, Lease(owner="thief", ttl_seconds=30))
     before = await table_state(stores, cmd.run_id)
     async with asyncio.timeout(10):
         await task  # cancelled by its keeper, not by the 30 s sleep ending

@@ -35,6 +35,7 @@ from intermission.schemas.run import Lease, RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, SuspendReason, Suspension
 from intermission.store import Stores
+from tests.support.factories import writes
 from tests.support.fleet import (
     Worker,
     charges,
@@ -428,7 +429,7 @@ async def test_a_reply_admitted_by_a_worker_that_died_before_starting_is_started
     first = reply_progress(s, s.pending[0].reply_with, '"the answer"', dead.owner)
     request = ResumeAdmissionRequest(scope=scope, version=version(s, revision), input=b'"the answer"')
     # The admission committed (claim, lease, snapshot) and then its worker died: no start was granted.
-    await stores.at(scope).resume.admit_resume_leased(request, dead, first)
+    await writes(stores, scope).resume.admit_resume_leased(request, dead, first)
 
     await w.drain(wait_for_lapsed=True)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from intermission.store.commands import RunDefaults
 from pydantic import BaseModel
 
 from intermission.schemas.commands import (
@@ -32,13 +33,12 @@ from intermission.schemas.errors import InvalidArgument, MessageIdConflict, NotS
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import PendingCall, SuspendReason
 from intermission.store import Stores, migrate
-from intermission.store.commands import RunDefaults
 from intermission.store.inbox import AlreadyApplied, Receipt
 from intermission.store.migrate import ensure_database
 from intermission.wire import Command
 from tests.conftest import MakeStores, race
 from tests.support import pg
-from tests.support.factories import lease, paused_run, running_run
+from tests.support.factories import lease, paused_run, running_run, writes
 from tests.support.inspect import FAR_FUTURE, Inspector, pin, unexpected, winners
 
 SHARED_ID = "m-shared"
@@ -233,7 +233,7 @@ async def test_a_refusal_in_one_scope_removes_only_its_own_record(stores: Stores
     assert await recorded(db, SHARED_ID) == held
     # A cancel of a run the original's plain claim holds: nobody here can end it (intermission_request_ending_v1).
     plain = await paused_run(stores, here)
-    await stores.at(here).suspensions.claim_suspension(plain.run.id)
+    await writes(stores, here).suspensions.claim_suspension(plain.run.id)
     cancel = CancelCommand(scope=here, run_id=plain.run.id)
     with pytest.raises(NotSuspended):
         await apply(stores, Command.CANCEL, cancel, Receipt.of(SHARED_ID, Command.CANCEL.value, cancel))

@@ -42,7 +42,7 @@ from intermission.store import Stores
 from intermission.store.runs import Pause
 from tests.examples.openai_agents_script import ScriptPlayer
 from tests.support.control import LocalControl
-from tests.support.factories import running_run
+from tests.support.factories import running_run, writes
 from tests.support.fleet import charges, fast_settings, outbox_keys, suspension_count
 from tests.support.waiting import eventually
 
@@ -271,7 +271,7 @@ async def test_a_pause_stored_by_version_1_of_the_integration_still_resumes(
     pending = [PendingCall.model_validate(p) for p in stored["pending"]]
     assert Prepared.decode(cont.prepared).version == 1
     run, held = await running_run(stores, scope)
-    await stores.at(scope).runs.pause_run(
+    await writes(stores, scope).runs.pause_run(
         run.id, held.owner, Pause(reason=SuspendReason.APPROVAL, pending=pending, continuation=cont, ttl_seconds=0)
     )
     s = await stores.at(scope).suspensions.get_suspension(run.id)

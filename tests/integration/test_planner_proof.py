@@ -26,7 +26,7 @@ from intermission.store.db import Database
 from intermission.store.inbox import Receipt
 from intermission.store.queries import QUERIES
 from intermission.wire import Command
-from tests.support.factories import PausedRun, lease, paused_run
+from tests.support.factories import PausedRun, lease, paused_run, writes
 from tests.support.inspect import Inspector
 
 PAUSED = 300
@@ -126,7 +126,7 @@ async def resume_and_end(stores: Stores, p: PausedRun) -> None:
     )
     receipt = Receipt.of(str(uuid.uuid4()), Command.RESUME.value, cmd)
     claimed = await stores.commands.resume(cmd, lease(), receipt=receipt)
-    await stores.at(p.run.scope).runs.end_run(p.run.id, claimed.run.lease_owner or "", RunEventKind.COMPLETED)
+    await writes(stores, p.run.scope).runs.end_run(p.run.id, claimed.run.lease_owner or "", RunEventKind.COMPLETED)
 
 
 async def test_a_resume_and_an_end_probe_their_run_by_key_among_hundreds_of_the_same_tenant(

@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 import pytest
+from intermission.store.commands import RunDefaults
 
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.errors import InvalidContinuation, MessageIdConflict, NotSuspended, RunConflict, RunLeaseLost
@@ -16,10 +17,9 @@ from intermission.schemas.events import RunEventKind
 from intermission.schemas.llm import Message, Role
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
-from intermission.store.commands import RunDefaults
 from intermission.store.inbox import AlreadyApplied, Receipt
 from tests.conftest import MakeStores, race
-from tests.support.factories import PausedRun, lease, paused_run, running_run
+from tests.support.factories import PausedRun, lease, paused_run, running_run, writes
 from tests.support.inspect import Inspector, pin, unexpected, winners
 
 
@@ -215,7 +215,7 @@ async def test_an_end_writes_its_state_session_checkpoints_and_events_and_remove
         scope.app,
         scope.tenant,
     )
-    event = await stores.at(scope).runs.end_run(
+    event = await writes(stores, scope).runs.end_run(
         run.id, held.owner, RunEventKind.COMPLETED, output="out", own_messages=own, correlation_id="c"
     )
     assert event.revision == run.revision + 1
@@ -250,5 +250,5 @@ async def test_an_end_by_a_worker_that_does_not_hold_the_run_writes_nothing(
     before = await db.snapshot()
     for intruder in ("somebody-else", ""):
         with pytest.raises(RunLeaseLost):
-            await stores.at(scope).runs.end_run(run.id, intruder, RunEventKind.COMPLETED)
+            await writes(stores, scope).runs.end_run(run.id, intruder, RunEventKind.COMPLETED)
     assert await db.snapshot() == before
