@@ -1,7 +1,7 @@
 """The one way store code talks to Postgres: a pool, transactions, and statements by name.
 
 ``Conn`` accepts query NAMES, never SQL text, so every statement that runs is one of the reviewed
-statements in ``store/queries/``; a statement that names its arguments takes them by name. Driver errors
+statements in ``store/queries/``, by name. Driver errors
 are translated here into Intermission's typed errors (``store_unavailable`` for what a retry may cure);
 asyncpg types never leave ``store/``.
 """
@@ -111,35 +111,17 @@ class Conn:
     def __init__(self, raw: asyncpg.Connection[Any] | PoolConnectionProxy[Any]) -> None:
         self.raw = raw
 
-    def _prepare(self, name: str, args: tuple[Any, ...], named: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
-        query = QUERIES[name]
-        if not named:
-            return query.sql, args
-        if args or query.arguments is None:
-            raise TypeError(f"query {name!r} takes {'no names' if query.arguments is None else 'names only'}")
-        try:
-            if len(named) == len(query.arguments):
-                return query.sql, tuple([named[argument] for argument in query.arguments])
-        except KeyError:
-            pass
-        missing, unknown = set(query.arguments) - set(named), set(named) - set(query.arguments)
-        raise TypeError(f"query {name!r}: missing {sorted(missing)}, unknown {sorted(unknown)}")
+    async def fetch(self, name: str, *args: Any) -> list[asyncpg.Record]:
+        return await self.raw.fetch(QUERIES[name].sql, *args)
 
-    async def fetch(self, name: str, *args: Any, **named: Any) -> list[asyncpg.Record]:
-        sql, values = self._prepare(name, args, named)
-        return await self.raw.fetch(sql, *values)
+    async def fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
+        return await self.raw.fetchrow(QUERIES[name].sql, *args)
 
-    async def fetchrow(self, name: str, *args: Any, **named: Any) -> asyncpg.Record | None:
-        sql, values = self._prepare(name, args, named)
-        return await self.raw.fetchrow(sql, *values)
+    async def fetchval(self, name: str, *args: Any) -> Any:
+        return await self.raw.fetchval(QUERIES[name].sql, *args)
 
-    async def fetchval(self, name: str, *args: Any, **named: Any) -> Any:
-        sql, values = self._prepare(name, args, named)
-        return await self.raw.fetchval(sql, *values)
-
-    async def execute(self, name: str, *args: Any, **named: Any) -> str:
-        sql, values = self._prepare(name, args, named)
-        return await self.raw.execute(sql, *values)
+    async def execute(self, name: str, *args: Any) -> str:
+        return await self.raw.execute(QUERIES[name].sql, *args)
 
 
 async def _forget_types(raw: asyncpg.Connection[Any] | PoolConnectionProxy[Any]) -> None:
