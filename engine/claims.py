@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
-from intermission.engine.events import OutboxEvent, event_columns
-from intermission.engine.transition import Family, RunKey, Transition, only
+from intermission.engine.columns import lease_columns, maybe_event_fields
+from intermission.engine.events import OutboxEvent
+from intermission.engine.transition import Family, OfRun, only
 from intermission.schemas.errors import (
     InvalidArgument,
     NotSuspended,
@@ -87,19 +88,14 @@ class Stored:
 
 
 @dataclass(frozen=True)
-class ReadForCommand(Transition[Stored]):
+class ReadForCommand(OfRun[Stored]):
     """A command's first round trip, at its exact scope: the run, its pause, the inbox record of its
     message_id and the named checkpoint's state."""
 
     family: ClassVar[Family] = READ_FOR_COMMANDS
 
-    scope: Scope
-    run_id: str
     message_id: str | None = None
     checkpoint_id: int | None = None
-
-    def key(self) -> RunKey:
-        return (self.scope.app, self.scope.tenant, self.run_id)
 
     def row(self) -> CommandKey:
         return CommandKey(self.run_id, self.scope.app, self.scope.tenant, self.message_id, self.checkpoint_id)
@@ -205,7 +201,7 @@ def check_lease(lease: Lease) -> None:
 
 
 @dataclass(frozen=True)
-class _Claim(Transition[R]):
+class _Claim(OfRun[R]):
     """One claim (see the module docstring).
 
     ``version`` pins the pause and revision (None: whatever pause the run has); ``expired_by`` claims only a
@@ -217,8 +213,6 @@ class _Claim(Transition[R]):
 
     family: ClassVar[Family] = CLAIM
 
-    scope: Scope
-    run_id: str
     version: ClaimVersion | None = None
     expired_by: datetime | None = None
     lease: Lease | None = None
@@ -238,15 +232,11 @@ class _Claim(Transition[R]):
             if self.first is not None:
                 check_first(self.first, self.lease.owner, self.run_id)
 
-    def key(self) -> RunKey:
-        return (self.scope.app, self.scope.tenant, self.run_id)
-
     def row(self) -> ClaimRow:
         first = self.first
         snapshot = rows.progress_arguments(first, continuation=not self.answers_only) if first is not None else {}
         decision, lease = self.decision, self.lease
         inbox = inbox_arguments(self.receipt, self.scope)
-        message_id, routing_key, body, correlation_id, headers = event_columns(self.event)
         return ClaimRow(
             self.run_id,
             self.scope.app,
@@ -255,8 +245,7 @@ class _Claim(Transition[R]):
             self.version.run_revision if self.version is not None else None,
             self.expired_by,
             self.reason.value if self.reason is not None else None,
-            lease.owner if lease is not None else None,
-            lease.ttl_seconds if lease is not None else None,
+            *lease_columns(lease),
             first is not None,
             snapshot.get("continuation"),
             snapshot.get("started"),
@@ -271,12 +260,8 @@ class _Claim(Transition[R]):
             decision.state if decision is not None else None,
             decision.decided_by if decision is not None else None,
             decision.reason if decision is not None else None,
-            message_id,
-            routing_key,
-            body,
-            correlation_id,
-            headers,
-            self.whole,
+            whole=self.whole,
+            **maybe_event_fields(self.event),
         )
 
     def events(self) -> Sequence[OutboxEvent]:

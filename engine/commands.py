@@ -18,8 +18,9 @@ checked is exactly what is claimed. A refusal at either step writes nothing, not
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from datetime import datetime
+from typing import Generic, Protocol, TypeVar
 
 from intermission.engine.claims import ClaimPause, Decided, ReadForCommand, Stored, check_lease
 from intermission.engine.events import OutboxEvent, run_event
@@ -180,20 +181,35 @@ async def claim_answer(
     return Claimed(run=run, progress=progress, suspension=answer.suspension, correlation_id=correlation_id)
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Answering(Operation[Claimed]):
+class PinnedCommand(Protocol):
+    """A command that answers one pause, pinned to it and to the run's revision (``ClaimVersion``)."""
+
+    @property
+    def scope(self) -> Scope: ...
+
+    @property
+    def version(self) -> ClaimVersion: ...
+
+
+P = TypeVar("P", bound=PinnedCommand)
+
+
+@dataclass(frozen=True)
+class _Answering(Operation[Claimed], Generic[P]):
     """A command that answers a pause: read, check, claim (see the module docstring)."""
 
+    command: P
+    _: KW_ONLY
     receipt: Receipt | None = None
     correlation_id: str | None = None
 
     @property
-    @abstractmethod
-    def scope(self) -> Scope: ...
+    def scope(self) -> Scope:
+        return self.command.scope
 
     @property
-    @abstractmethod
-    def run_id(self) -> str: ...
+    def run_id(self) -> str:
+        return self.command.version.run_id
 
     @property
     def checkpoint_id(self) -> int | None:
@@ -214,18 +230,8 @@ class _Answering(Operation[Claimed]):
 
 
 @dataclass(frozen=True)
-class Resume(_Answering):
+class Resume(_Answering[ResumeCommand]):
     """``run.resume``: a host's results for an ``external_tool`` pause."""
-
-    command: ResumeCommand
-
-    @property
-    def scope(self) -> Scope:
-        return self.command.scope
-
-    @property
-    def run_id(self) -> str:
-        return self.command.version.run_id
 
     def check(self, stored: Stored, lease: Lease) -> Answer:
         pause = stored.pause_pinned(self.scope, self.command.version)
@@ -234,20 +240,11 @@ class Resume(_Answering):
 
 
 @dataclass(frozen=True)
-class Decide(_Answering):
+class Decide(_Answering[DecideCommand]):
     """``run.decide``: an approval decision. ``principal`` is the broker-validated sender, never the body's
     word."""
 
-    command: DecideCommand
     principal: str | None = None
-
-    @property
-    def scope(self) -> Scope:
-        return self.command.scope
-
-    @property
-    def run_id(self) -> str:
-        return self.command.version.run_id
 
     @property
     def checkpoint_id(self) -> int | None:
@@ -274,20 +271,10 @@ class Decide(_Answering):
 
 
 @dataclass(frozen=True)
-class Expire(_Answering):
+class Expire(_Answering[ExpireCommand]):
     """``run.expire``: claim a pause past its deadline (judged against ``expired_by`` AND the database clock)
     with ``ending = expire``; the worker fails the run with a reason naming the deadline. A pause answered,
     cancelled or expired already is a StaleExpiry."""
-
-    command: ExpireCommand
-
-    @property
-    def scope(self) -> Scope:
-        return self.command.scope
-
-    @property
-    def run_id(self) -> str:
-        return self.command.version.run_id
 
     def check(self, stored: Stored, lease: Lease) -> Answer:
         pause = stored.pause_pinned(self.scope, self.command.version)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from intermission.schemas.events import RunEvent
 from intermission.schemas.suspension import Notice
@@ -43,14 +42,6 @@ class OutboxEvent:
         """The event as a transition's ``event_*`` fields: message_id, routing_key, body, correlation_id,
         headers (JSON)."""
         return self.message_id, self.routing_key, self.body, self.correlation_id, json.dumps(self.headers)
-
-
-# A transition row's event fields when its transition writes no event.
-NO_EVENT: tuple[None, None, None, None, None] = (None, None, None, None, None)
-
-
-def event_columns(event: OutboxEvent | None) -> tuple[Any, ...]:
-    return event.columns() if event is not None else NO_EVENT
 
 
 def _headers(traceparent: str | None) -> dict[str, HeaderValue]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from intermission.engine.claims import check_first, check_lease
-from intermission.engine.transition import Family, RunKey, Transition
+from intermission.engine.transition import Family, OfRun, Transition
 from intermission.schemas.errors import InvalidArgument, InvalidContinuation, RunNotReclaimable
 from intermission.schemas.run import Lease, Run
 from intermission.schemas.scope import Scope, require_scope
@@ -104,7 +104,7 @@ class ReclaimLapsed(Transition[list[Reclaimed | Unreadable]]):
 
 
 @dataclass(frozen=True)
-class TakeOverRun(Transition[Run]):
+class TakeOverRun(OfRun[Run]):
     """Take over the running run ``run_id`` whose lease lapsed, under ``lease``, writing ``first`` in the same
     transaction (or handing its snapshot over as it stands). The revision does not change. Decoded before its
     commit: a run that cannot be read is not taken. RunNotReclaimable when it is not running under a lapsed
@@ -113,8 +113,6 @@ class TakeOverRun(Transition[Run]):
     family: ClassVar[Family] = TAKE_OVER
     atomic: ClassVar[bool] = True
 
-    scope: Scope
-    run_id: str
     lease: Lease
     first: Progress | None = None
 
@@ -123,9 +121,6 @@ class TakeOverRun(Transition[Run]):
         check_lease(self.lease)
         if self.first is not None:
             check_first(self.first, self.lease.owner, self.run_id)
-
-    def key(self) -> RunKey:
-        return (self.scope.app, self.scope.tenant, self.run_id)
 
     def row(self) -> TakeOverRow:
         snapshot = rows.progress_arguments(self.first) if self.first is not None else {}
@@ -165,18 +160,13 @@ RELEASE = Family("release", "release_leases_v1", RunKeyRow)
 
 
 @dataclass(frozen=True)
-class ReleaseLease(Transition[bool]):
+class ReleaseLease(OfRun[bool]):
     """Let the lease ``owner`` holds on a run lapse now (a graceful stop), so another worker may take the run
     at once. Whether it held one."""
 
     family: ClassVar[Family] = RELEASE
 
-    scope: Scope
-    run_id: str
     owner: str
-
-    def key(self) -> RunKey:
-        return (self.scope.app, self.scope.tenant, self.run_id)
 
     def row(self) -> RunKeyRow:
         return RunKeyRow(self.run_id, self.scope.app, self.scope.tenant, self.owner)

@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import ClassVar, NamedTuple
 
 from intermission.engine.holding import RunKeyRow
-from intermission.engine.transition import Family, RunKey, Transition, only
+from intermission.engine.transition import Family, OfRun, RunKey, Transition, only
 from intermission.schemas.errors import InvalidArgument, NotSuspended, RunConflict, RunNotFound, SuspensionExists
 from intermission.schemas.scope import Scope, require_scope
 from intermission.schemas.suspension import Suspension
@@ -93,16 +93,10 @@ DELETE_PROGRESS = Family("delete_progress", "delete_progresses_v1", RunKeyRow)
 
 
 @dataclass(frozen=True)
-class DeletePause(Transition[None]):
+class DeletePause(OfRun[None]):
     """Remove a run's pause (the original's DeleteSuspension); NotSuspended when it has none here."""
 
     family: ClassVar[Family] = DELETE_PAUSE
-
-    scope: Scope
-    run_id: str
-
-    def key(self) -> RunKey:
-        return (self.scope.app, self.scope.tenant, self.run_id)
 
     def row(self) -> RunKeyRow:
         return RunKeyRow(self.run_id, self.scope.app, self.scope.tenant, None)
@@ -113,16 +107,10 @@ class DeletePause(Transition[None]):
 
 
 @dataclass(frozen=True)
-class DeleteProgress(Transition[None]):
+class DeleteProgress(OfRun[None]):
     """Remove a run's snapshot; nothing to remove is not an error."""
 
     family: ClassVar[Family] = DELETE_PROGRESS
-
-    scope: Scope
-    run_id: str
-
-    def key(self) -> RunKey:
-        return (self.scope.app, self.scope.tenant, self.run_id)
 
     def row(self) -> RunKeyRow:
         return RunKeyRow(self.run_id, self.scope.app, self.scope.tenant, None)
@@ -157,7 +145,7 @@ DEADLINE = Family("deadline", "move_deadlines_v2", DeadlineRow, success=frozense
 
 
 @dataclass(frozen=True)
-class MoveDeadline(Transition[MovedDeadline]):
+class MoveDeadline(OfRun[MovedDeadline]):
     """An operator moves the deadline of the live pause ``suspension_id`` of ``run_id``: ``extend_by``
     seconds later (from now when it passed already or there was none), or to now with ``extend_by`` None (a
     deadline that passed already stays). The run event ``deadline_moved`` records it, ``moved_by`` says who.
@@ -165,8 +153,6 @@ class MoveDeadline(Transition[MovedDeadline]):
 
     family: ClassVar[Family] = DEADLINE
 
-    scope: Scope
-    run_id: str
     suspension_id: int
     extend_by: float | None
     moved_by: str
@@ -175,9 +161,6 @@ class MoveDeadline(Transition[MovedDeadline]):
         require_scope(self.scope)
         if self.extend_by is not None and not (math.isfinite(self.extend_by) and self.extend_by > 0):
             raise InvalidArgument("extend_by must be a positive, finite number of seconds")
-
-    def key(self) -> RunKey:
-        return (self.scope.app, self.scope.tenant, self.run_id)
 
     def row(self) -> DeadlineRow:
         return DeadlineRow(

@@ -29,8 +29,9 @@ from functools import cached_property
 from typing import Any, ClassVar, NamedTuple
 
 from intermission.engine.claims import check_first, check_lease, refusal
-from intermission.engine.events import OutboxEvent, event_columns, run_event
-from intermission.engine.transition import Family, Operation, RunKey, Steps, Transition, only
+from intermission.engine.columns import event_fields, grant_columns, maybe_event_fields
+from intermission.engine.events import OutboxEvent, run_event
+from intermission.engine.transition import Family, OfRun, Operation, RunKey, Steps, Transition, only
 from intermission.schemas.digest import digest as canonical_digest
 from intermission.schemas.errors import (
     Forbidden,
@@ -100,15 +101,10 @@ class Evidence:
 
 
 @dataclass(frozen=True)
-class ReadEvidence(Transition[Evidence]):
+class ReadEvidence(OfRun[Evidence]):
     family: ClassVar[Family] = READ_EVIDENCE
 
-    scope: Scope
-    run_id: str
     suspension_id: int
-
-    def key(self) -> RunKey:
-        return (self.scope.app, self.scope.tenant, self.run_id)
 
     def row(self) -> PauseKeyRow:
         return PauseKeyRow(self.run_id, self.scope.app, self.scope.tenant, self.suspension_id)
@@ -120,6 +116,17 @@ class ReadEvidence(Transition[Evidence]):
             latest=admission_from_row(out["latest"]) if out["latest"] is not None else None,
             start=start_from_row(out["start"]) if out["start"] is not None else None,
         )
+
+
+def admission_named(outcome: str, scope: Scope, run_id: str, suspension_id: int) -> str:
+    """What a start and an expiry of an admission say of it (``suspension 7 of run r1``), once the refusals
+    they share are raised: the admission they name is not there, or its request is another."""
+    where = f"suspension {suspension_id} of run {run_id}"
+    if outcome == "no_admission":
+        raise ResumeAdmissionNotFound(f"no admission for {where} at scope {scope}")
+    if outcome == "digest_conflict":
+        raise ResumeAdmissionConflict(f"the admission of {where} has another request digest")
+    return where
 
 
 # --- admission ---------------------------------------------------------------------------------------
@@ -201,17 +208,13 @@ class AdmitResume(Transition[ResumeAdmission]):
     def row(self) -> AdmissionRow:
         version, lease, first = self.request.version, self.lease, self.first
         inbox = inbox_arguments(self.receipt, self.scope)
-        message_id, routing_key, body, correlation_id, headers = event_columns(self.event)
         return AdmissionRow(
             version.run_id,
             self.scope.app,
             self.scope.tenant,
             version.suspension_id,
             version.run_revision,
-            lease.owner if lease is not None else None,
-            lease.ttl_seconds if lease is not None else None,
-            rows.dump(first.continuation) if first is not None else None,
-            rows.dump_list(rows.DONE, first.done) if first is not None else None,
+            *grant_columns(lease, first),
             RESUME_SCHEMA_VERSION,
             self.request.input,
             self.request.digest(),
@@ -220,11 +223,7 @@ class AdmitResume(Transition[ResumeAdmission]):
             inbox["message_id"],
             inbox["routing_key"],
             inbox["digest"],
-            message_id,
-            routing_key,
-            body,
-            correlation_id,
-            headers,
+            **maybe_event_fields(self.event),
         )
 
     def events(self) -> Sequence[OutboxEvent]:
@@ -269,7 +268,7 @@ START_RESUME = Family("start_resume", "start_resumes_v2", ResumeStartRow, succes
 
 
 @dataclass(frozen=True)
-class StartResume(Transition[ResumeStart]):
+class StartResume(OfRun[ResumeStart]):
     """The single grant of execution for an admission whose request digest is ``digest``; with ``lease`` it
     takes the run's lease, whoever held it, and writes ``first`` in the granting transaction.
 
@@ -282,8 +281,6 @@ class StartResume(Transition[ResumeStart]):
     family: ClassVar[Family] = START_RESUME
     atomic: ClassVar[bool] = True
 
-    scope: Scope
-    run_id: str
     suspension_id: int
     digest: str
     lease: Lease | None = None
@@ -297,9 +294,6 @@ class StartResume(Transition[ResumeStart]):
             if self.first is not None:
                 check_first(self.first, self.lease.owner, self.run_id)
 
-    def key(self) -> RunKey:
-        return (self.scope.app, self.scope.tenant, self.run_id)
-
     def row(self) -> ResumeStartRow:
         lease, first = self.lease, self.first
         return ResumeStartRow(
@@ -308,21 +302,14 @@ class StartResume(Transition[ResumeStart]):
             self.scope.tenant,
             self.suspension_id,
             self.digest,
-            lease.owner if lease is not None else None,
-            lease.ttl_seconds if lease is not None else None,
-            rows.dump(first.continuation) if first is not None else None,
-            rows.dump_list(rows.DONE, first.done) if first is not None else None,
+            *grant_columns(lease, first),
             RESUME_SCHEMA_VERSION,
         )
 
     def result(self, outs: Sequence[Out]) -> ResumeStart:
         out = only(outs)
         outcome = out["outcome"]
-        where = f"suspension {self.suspension_id} of run {self.run_id}"
-        if outcome == "no_admission":
-            raise ResumeAdmissionNotFound(f"no admission for {where} at scope {self.scope}")
-        if outcome == "digest_conflict":
-            raise ResumeAdmissionConflict(f"the admission of {where} has another request digest")
+        where = admission_named(outcome, self.scope, self.run_id, self.suspension_id)
         if outcome == "expired":
             raise SuspensionExpired(
                 f"the admission of {where} expired at {out['expired_at'].isoformat()}; it can never start"
@@ -365,7 +352,7 @@ EXPIRE_ADMISSION = Family("expire_admission", "expire_admissions_v1", ExpiryRow,
 
 
 @dataclass(frozen=True)
-class ExpireAdmission(Transition[ResumeExpiry]):
+class ExpireAdmission(OfRun[ResumeExpiry]):
     """Record that the admission expired before it started, with its run_events row, under the run's lock
     that start shares. An existing start is ResumeAlreadyStarted (it may have executed: only a closure can end
     that). The identical retry returns the stored expiry with ``fresh`` false.
@@ -376,17 +363,12 @@ class ExpireAdmission(Transition[ResumeExpiry]):
 
     family: ClassVar[Family] = EXPIRE_ADMISSION
 
-    scope: Scope
-    run_id: str
     suspension_id: int
     digest: str
 
     def __post_init__(self) -> None:
         require_scope(self.scope)
         check_key(self.run_id, self.suspension_id, self.digest)
-
-    def key(self) -> RunKey:
-        return (self.scope.app, self.scope.tenant, self.run_id)
 
     def row(self) -> ExpiryRow:
         return ExpiryRow(
@@ -402,11 +384,7 @@ class ExpireAdmission(Transition[ResumeExpiry]):
     def result(self, outs: Sequence[Out]) -> ResumeExpiry:
         out = only(outs)
         outcome = out["outcome"]
-        where = f"suspension {self.suspension_id} of run {self.run_id}"
-        if outcome == "no_admission":
-            raise ResumeAdmissionNotFound(f"no admission for {where} at scope {self.scope}")
-        if outcome == "digest_conflict":
-            raise ResumeAdmissionConflict(f"the admission of {where} has another request digest")
+        where = admission_named(outcome, self.scope, self.run_id, self.suspension_id)
         if outcome == "started":
             raise ResumeAlreadyStarted(f"{where} was started; its execution may have begun")
         if outcome == "no_run":
@@ -491,7 +469,6 @@ class CloseWritten(Transition[ResumeClosure | None]):
 
     def row(self) -> ClosureRow:
         request, version = self.request, self.request.version
-        message_id, routing_key, body, correlation_id, headers = self.event.columns()
         data = {
             "outcome": "incomplete",
             "suspension_id": version.suspension_id,
@@ -521,11 +498,7 @@ class CloseWritten(Transition[ResumeClosure | None]):
             self.error,
             self.event_id,
             json.dumps(data),
-            message_id,
-            routing_key,
-            body,
-            correlation_id,
-            headers,
+            **event_fields(self.event),
         )
 
     def events(self) -> Sequence[OutboxEvent]:

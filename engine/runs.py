@@ -22,8 +22,9 @@ from datetime import datetime, timedelta
 from functools import cached_property
 from typing import ClassVar, Final, NamedTuple
 
+from intermission.engine.columns import event_fields
 from intermission.engine.events import OutboxEvent, notice_event, run_event
-from intermission.engine.transition import Family, Operation, RunKey, Steps, Transition, only
+from intermission.engine.transition import Family, OfRun, Operation, RunKey, Steps, Transition, only
 from intermission.schemas.answers import publishable
 from intermission.schemas.errors import InvalidArgument, InvalidState, RunLeaseLost
 from intermission.schemas.events import RunEvent, RunEventKind
@@ -305,8 +306,7 @@ class PauseWritten(Transition[Paused]):
         return (self.run.scope.app, self.run.scope.tenant, self.run.id)
 
     def row(self) -> PauseRow:
-        pause, run, notice, event = self.pause, self.run, self.notice, self.event
-        message_id, routing_key, body, correlation_id, headers = event.columns()
+        pause, run, notice = self.pause, self.run, self.notice
         return PauseRow(
             run.id,
             run.scope.app,
@@ -322,11 +322,7 @@ class PauseWritten(Transition[Paused]):
             notice.expires_at,
             pause.continuation.step_index,
             pause.continuation.tokens_used,
-            message_id,
-            routing_key,
-            body,
-            correlation_id,
-            headers,
+            **event_fields(self.event),
         )
 
     def events(self) -> Sequence[OutboxEvent]:
@@ -405,7 +401,7 @@ END = Family("end", "end_runs_v3", EndRow, held=True, success=frozenset({"ended"
 
 
 @dataclass(frozen=True)
-class EndRun(Transition[RunEvent]):
+class EndRun(OfRun[RunEvent]):
     """End a running run held by ``owner`` at ``revision``, in ONE transaction with its metadata event and
     its ``run.<kind>`` event: progress and any pause are removed, undecided checkpoints are closed, the run's
     OWN messages (never its loaded history) are appended to the session it started in, and the run row takes
@@ -416,8 +412,6 @@ class EndRun(Transition[RunEvent]):
 
     family: ClassVar[Family] = END
 
-    scope: Scope
-    run_id: str
     owner: str
     revision: int
     kind: RunEventKind
@@ -449,11 +443,7 @@ class EndRun(Transition[RunEvent]):
         # Built once, so that the row written and the event handed to the sink share one message_id.
         return run_event(self.ended, self.correlation_id, traceparent=self.traceparent)
 
-    def key(self) -> RunKey:
-        return (self.scope.app, self.scope.tenant, self.run_id)
-
     def row(self) -> EndRow:
-        message_id, routing_key, body, correlation_id, headers = self.event.columns()
         counts = self.counts
         return EndRow(
             self.run_id,
@@ -473,11 +463,7 @@ class EndRun(Transition[RunEvent]):
             json.dumps({"output": self.output, "error": self.error}),
             counts.step_index if counts is not None else None,
             counts.tokens_used if counts is not None else None,
-            message_id,
-            routing_key,
-            body,
-            correlation_id,
-            headers,
+            **event_fields(self.event),
         )
 
     def events(self) -> Sequence[OutboxEvent]:
@@ -509,7 +495,7 @@ ENDING = Family("ending", "request_endings_v2", EndingRow)
 
 
 @dataclass(frozen=True)
-class RequestEnding(Transition[str]):
+class RequestEnding(OfRun[str]):
     """Ask a RUNNING run held under a lease to end (``intermission_request_ending_v1``): the ending is kept
     on its row (and its snapshot), with the command's inbox record, for its holder to finish at its next
     boundary, or whoever takes it over. Its result is the outcome: 'requested', 'ending_before' (asked
@@ -517,13 +503,8 @@ class RequestEnding(Transition[str]):
 
     family: ClassVar[Family] = ENDING
 
-    scope: Scope
-    run_id: str
     ending: Ending
     receipt: Receipt | None = None
-
-    def key(self) -> RunKey:
-        return (self.scope.app, self.scope.tenant, self.run_id)
 
     def row(self) -> EndingRow:
         inbox = inbox_arguments(self.receipt, self.scope)

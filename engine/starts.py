@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Final, NamedTuple
 
 from intermission.engine.claims import check_first, check_lease
+from intermission.engine.columns import lease_columns
 from intermission.engine.transition import Family, RunKey, Transition, only
 from intermission.schemas.config import RunConfig
 from intermission.schemas.digest import digest
@@ -176,8 +177,7 @@ class StartRun(Transition[CreatedRun]):
             new.pause_ttl_seconds,
             new.session_id or new.run_id,
             start_digest(self.scope, new),
-            lease.owner if lease is not None else None,
-            lease.ttl_seconds if lease is not None else None,
+            *lease_columns(lease),
             rows.dump(first.continuation) if first is not None else None,
             inbox["message_id"],
             inbox["routing_key"],

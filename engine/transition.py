@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 from intermission.engine.events import OutboxEvent
+from intermission.schemas.scope import Scope
 from intermission.store.rows import Out
 
 if TYPE_CHECKING:
@@ -105,6 +106,18 @@ class Transition(ABC, Generic[R]):
 
     async def apply_in(self, steps: Steps) -> R:
         return await steps.commit(self)
+
+
+@dataclass(frozen=True)
+class OfRun(Transition[R]):
+    """A transition of one run, named by its scope and id: its key, and the first two fields of every
+    transition that changes one run."""
+
+    scope: Scope
+    run_id: str
+
+    def key(self) -> RunKey:
+        return (self.scope.app, self.scope.tenant, self.run_id)
 
 
 class Operation(ABC, Generic[R]):
