@@ -21,6 +21,7 @@ is read, so it cannot be that pause's child. The run it claims still continues i
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -28,6 +29,7 @@ from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
 
 from intermission.engine.commands import Claimed
+from intermission.engine.observer import on_behalf_of
 from intermission.tracing import (
     LINK_PAUSE,
     annotate,
@@ -74,13 +76,18 @@ def command_span(message: AbstractIncomingMessage, command: Command) -> contextl
     )
 
 
-def transaction_span(command: Command) -> contextlib.AbstractContextManager[Span]:
+@contextlib.contextmanager
+def transaction_span(command: Command) -> Iterator[Span]:
     """The command's transaction (its read and its transition), a child of the command's span. An exception
     leaving it (a refusal, a duplicate, the database away) is recorded on it: the transaction did not
-    commit."""
+    commit. Its transitions are the command's work: a statement they share with others links to the
+    command's span (``on_behalf_of``)."""
     if not recording():
-        return untraced()
-    return open_span(f"{command.value} transaction", record_errors=True)
+        with untraced() as span:
+            yield span
+        return
+    with on_behalf_of(current_span()), open_span(f"{command.value} transaction", record_errors=True) as span:
+        yield span
 
 
 def note_claimed(claimed: Claimed) -> None:

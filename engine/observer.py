@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from typing import Protocol
 
 from opentelemetry.trace import Span
@@ -112,6 +113,22 @@ class CrashPoints(Quiet):
 _FAILURES = frozenset({"requeued", "dead_lettered"})
 
 
+# The span whose work the transitions submitted here are, where that is not the current span: a command
+# submits its transitions within its transaction span, but what a shared statement links to and is linked
+# from is the command's own span (``consumers/command_spans.py``).
+_ON_BEHALF_OF: ContextVar[Span | None] = ContextVar("intermission_on_behalf_of", default=None)
+
+
+@contextlib.contextmanager
+def on_behalf_of(span: Span) -> Iterator[None]:
+    """Within the block, the transitions submitted are ``span``'s work (``Spans.caller``)."""
+    token = _ON_BEHALF_OF.set(span)
+    try:
+        yield
+    finally:
+        _ON_BEHALF_OF.reset(token)
+
+
 class Spans(Quiet):
     """Spans of the work: a statement that carries several commands' transitions at once gets a span of its
     own (``commands transaction``), a root linked to each command's span and linked from each (it cannot be
@@ -119,7 +136,7 @@ class Spans(Quiet):
     a settled delivery's outcome goes on its command's span, which is current where it is reported."""
 
     def caller(self) -> object:
-        return current_span() if recording() else None
+        return (_ON_BEHALF_OF.get() or current_span()) if recording() else None
 
     @contextlib.contextmanager
     def committing(self, family: Family, callers: Sequence[object]) -> Iterator[None]:
