@@ -39,6 +39,7 @@ from typing import Generic, NoReturn, TypeVar
 from intermission import points
 from intermission.agent.executor import ENDINGS, RunContext
 from intermission.agent.tools import ToolEnv
+from intermission.engine.runs import Pause
 from intermission.schemas.answers import approval_group, call_approvers
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.errors import (
@@ -53,7 +54,6 @@ from intermission.schemas.errors import (
 from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome, Usage
 from intermission.schemas.run import Run
 from intermission.schemas.suspension import Continuation, PendingCall, Progress, ProgressResult, SuspendReason
-from intermission.engine.runs import Pause
 from intermission.tracing import failed, tool_span
 
 T = TypeVar("T")

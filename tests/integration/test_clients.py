@@ -14,6 +14,7 @@ import aiormq
 import asyncpg
 import pytest
 
+from intermission.engine import events as outbox
 from intermission.publishers.amqp import PublishFailed
 from intermission.publishers.clients import BusClient, EventKind, HostClient, Received, Subscription, version_of
 from intermission.publishers.relay import OutboxRelay
@@ -28,7 +29,7 @@ from intermission.schemas.commands import (
 from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Notice, SuspendReason
-from intermission.store import Stores, outbox
+from intermission.store import Stores
 from intermission.wire import (
     COMMANDS_EXCHANGE,
     SCHEMA_VERSION,

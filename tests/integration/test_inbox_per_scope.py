@@ -16,9 +16,11 @@ from typing import Any
 
 import asyncpg
 import pytest
-from intermission.store.commands import RunDefaults
 from pydantic import BaseModel
 
+from intermission.engine.commands import Cancel, Decide, Expire, Reply, Resume, Start
+from intermission.engine.core import Engine
+from intermission.engine.starts import RunDefaults
 from intermission.schemas.commands import (
     CancelCommand,
     DecideCommand,
@@ -69,21 +71,22 @@ class Case:
 
 
 async def apply(stores: Stores, kind: Command, body: Any, receipt: Receipt) -> object:
-    """``body`` applied as a command of ``kind`` through the command store, as its consumer applies it."""
-    c = stores.commands
+    """``body`` applied as a command of ``kind`` through an engine over ``stores``, as its consumer applies it:
+    under a worker's lease and the fleet's defaults."""
+    engine = Engine.over(stores).under(lease=lease(), defaults=DEFAULTS)
     match kind:
         case Command.START:
-            return await c.start(body, DEFAULTS, lease(), receipt=receipt)
+            return await engine.apply(Start(body, receipt=receipt))
         case Command.RESUME:
-            return await c.resume(body, lease(), receipt=receipt)
+            return await engine.apply(Resume(body, receipt=receipt))
         case Command.DECIDE:
-            return await c.decide(body, lease(), principal="alice", receipt=receipt)
+            return await engine.apply(Decide(body, principal="alice", receipt=receipt))
         case Command.REPLY:
-            return await c.reply(body, lease(), receipt=receipt)
+            return await engine.apply(Reply(body, receipt=receipt))
         case Command.EXPIRE:
-            return await c.expire(body, lease(), receipt=receipt)
+            return await engine.apply(Expire(body, receipt=receipt))
         case Command.CANCEL:
-            return await c.cancel(body, lease(), receipt=receipt)
+            return await engine.apply(Cancel(body, receipt=receipt))
 
 
 async def case_of(kind: Command, stores: Stores, db: Inspector, scope: Scope) -> Case:

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from intermission.agent.executor import Executor
 from intermission.agent.plugins import load_executor
+from intermission.engine.runs import Pause
 from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import running_worker
@@ -39,7 +40,6 @@ from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Continuation, Notice, PendingCall, SuspendReason
 from intermission.store import Stores
-from intermission.store.runs import Pause
 from tests.examples.openai_agents_script import ScriptPlayer
 from tests.support.control import LocalControl
 from tests.support.factories import running_run, writes

@@ -17,6 +17,8 @@ from typing import Any
 import asyncpg
 import pytest
 
+from intermission.engine.commands import Resume
+from intermission.engine.core import Engine
 from intermission.schemas.commands import ResumeCommand, ToolAnswer
 from intermission.schemas.events import RunEventKind
 from intermission.schemas.scope import Scope
@@ -125,7 +127,7 @@ async def resume_and_end(stores: Stores, p: PausedRun) -> None:
         results=[ToolAnswer(call_id="c1", content="42")],
     )
     receipt = Receipt.of(str(uuid.uuid4()), Command.RESUME.value, cmd)
-    claimed = await stores.commands.resume(cmd, lease(), receipt=receipt)
+    claimed = await Engine.over(stores, lease=lease()).apply(Resume(cmd, receipt=receipt))
     await writes(stores, p.run.scope).runs.end_run(p.run.id, claimed.run.lease_owner or "", RunEventKind.COMPLETED)
 
 

@@ -15,11 +15,12 @@ import aio_pika
 import asyncpg
 import pytest
 
+from intermission.engine import events as outbox
 from intermission.publishers.relay import OutboxRelay
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import SuspendReason
-from intermission.store import Stores, outbox
+from intermission.store import Stores
 from intermission.store.db import Database
 from intermission.wire import EVENTS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, TRACEPARENT_HEADER, notice_key
 from tests.conftest import MakeStores, race

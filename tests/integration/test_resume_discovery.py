@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from intermission.engine.runs import Pause
 from intermission.schemas.errors import InvalidArgument, InvalidScope, ResumeAdmissionNotFound
 from intermission.schemas.events import RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import PendingCall, SuspendReason
 from intermission.store import Stores
-from intermission.store.runs import Pause
 from tests.support.factories import PausedRun, continuation, lease, paused_run, writes
 from tests.support.resume import (
     admission_request,

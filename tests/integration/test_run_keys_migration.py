@@ -74,10 +74,13 @@ async def before(pg_server: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
     url = pg.with_database(pg_server, name)
     await ensure_database(url)
     everything = migrate.migrations()
-    # The migrations before 0015 (the database is built at 0014), whatever came after it.
+    # The migrations before 0015 (the database is built at 0014), whatever came after it. The ones after it
+    # add new names only (0016: the batch functions and their row types, which today's engine writes with)
+    # and touch nothing 0015 changes: they go in first, so that today's engine can write the rows the
+    # previous release wrote, through the same per-row functions.
     at = [m.name for m in everything].index(THIS)
     assert everything[at].version == 15, "this test builds the database at the migration before 0015"
-    monkeypatch.setattr(migrate, "migrations", lambda: everything[:at])
+    monkeypatch.setattr(migrate, "migrations", lambda: everything[:at] + everything[at + 1 :])
     await migrate.migrate(url)
 
     async def migrate_rest() -> list[str]:
@@ -245,13 +248,13 @@ async def test_a_row_of_another_scope_than_its_runs_or_a_charge_without_a_run_st
             )
             == 0
         )
-        assert await con.fetchval("SELECT max(version) FROM schema_migrations") == 14
+        assert await con.fetchval("SELECT count(*) FROM schema_migrations WHERE version = 15") == 0
 
         await con.execute("UPDATE suspensions SET tenant = $1 WHERE run_id = $2", A.tenant, p.run.id)
         await con.execute("INSERT INTO demo_charges (run_id, call_id, amount) VALUES ('no-such-run', 'c', 1)")
         with pytest.raises(MigrationError, match=r"1 demo charge\(s\) name no run"):
             await before.migrate_rest()
-        assert await con.fetchval("SELECT max(version) FROM schema_migrations") == 14
+        assert await con.fetchval("SELECT count(*) FROM schema_migrations WHERE version = 15") == 0
 
         await con.execute("DELETE FROM demo_charges WHERE run_id = 'no-such-run'")
         assert await before.migrate_rest() == [THIS]

@@ -132,7 +132,7 @@ async def test_a_cancelled_statement_in_the_reclaim_sweep_is_logged_and_the_swee
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO)
-    await cancel_while_locked(database_url, db, "runs", "intermission_take_over_v1")
+    await cancel_while_locked(database_url, db, "runs", "intermission_take_over_v2")
     assert (await logged(caplog, "reclaim_retry")).__dict__["error"] == "store_unavailable"
     # The sweep still takes over a lapsed run.
     run, _ = await running_run(stores, scope)
