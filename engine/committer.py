@@ -53,21 +53,23 @@ R = TypeVar("R")
 Outs = list[list[Out]]
 
 
-class Committer(Protocol):
-    """Runs ONE batch of one family: the batch function called once with ``rows`` (and ``hold``, the outbox
-    hold in seconds, for a family that takes one), its output rows grouped by input row and handed to
-    ``decode``, whose value is returned. ``atomic``: ``decode`` runs before the batch commits, and an
-    exception from it rolls the whole batch back."""
+@dataclass(frozen=True)
+class Batch:
+    """ONE statement's worth of one family: its rows in order, the outbox hold in seconds for a family that
+    takes one, and whether it is ``atomic`` (its output decoded before it commits)."""
 
-    async def commit(
-        self,
-        family: Family,
-        rows: Sequence[NamedTuple],
-        hold: float | None,
-        *,
-        atomic: bool,
-        decode: Callable[[Outs], T],
-    ) -> T: ...
+    family: Family
+    rows: Sequence[NamedTuple]
+    hold: float | None = None
+    atomic: bool = False
+
+
+class Committer(Protocol):
+    """Runs ONE batch: the family's batch function called once with the batch's rows (and its hold), its
+    output rows grouped by input row and handed to ``decode``, whose value is returned. An atomic batch runs
+    ``decode`` before it commits, and an exception from it rolls the whole batch back."""
+
+    async def commit(self, batch: Batch, decode: Callable[[Outs], T]) -> T: ...
 
 
 def group_by_position(found: Sequence[Out], size: int) -> Outs:
@@ -216,9 +218,8 @@ class GroupCommit:
         started = time.perf_counter()
         async with self._statements if self._statements is not None else contextlib.nullcontext():
             with self.observer.committing(family, [one.caller for one, _ in ready]):
-                outcome = await self.committer.commit(
-                    family, [row for _, row in ready], hold, atomic=atomic, decode=_with_outs(decode)
-                )
+                batch = Batch(family, [row for _, row in ready], hold, atomic)
+                outcome = await self.committer.commit(batch, _with_outs(decode))
         outs, results = outcome
         log.debug(
             "committed",

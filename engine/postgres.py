@@ -9,12 +9,11 @@ one did not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
-from intermission.engine.committer import Outs, group_by_position
-from intermission.engine.transition import Family
+from intermission.engine.committer import Batch, Outs, group_by_position
 from intermission.store.db import Conn, Database
 
 T = TypeVar("T")
@@ -24,20 +23,11 @@ class PostgresCommitter:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def commit(
-        self,
-        family: Family,
-        rows: Sequence[NamedTuple],
-        hold: float | None,
-        *,
-        atomic: bool,
-        decode: Callable[[Outs], T],
-    ) -> T:
-        opened: AbstractAsyncContextManager[Conn] = self.db.transaction() if atomic else self.db.connection()
+    async def commit(self, batch: Batch, decode: Callable[[Outs], T]) -> T:
+        family, rows = batch.family, list(batch.rows)
+        opened: AbstractAsyncContextManager[Conn] = self.db.transaction() if batch.atomic else self.db.connection()
         async with opened as con:
             found = await (
-                con.fetch(family.statement, list(rows), hold)
-                if family.held
-                else con.fetch(family.statement, list(rows))
+                con.fetch(family.statement, rows, batch.hold) if family.held else con.fetch(family.statement, rows)
             )
             return decode(group_by_position(found, len(rows)))

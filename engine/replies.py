@@ -316,7 +316,7 @@ class StartResume(OfRun[ResumeStart]):
             )
         if outcome == "run_conflict":
             run = out["run"]
-            now = "gone" if run is None else f"{run['state']} at revision {run['revision']}"
+            now = "gone" if run is None or run["id"] is None else f"{run['state']} at revision {run['revision']}"
             raise RunConflict(f"run {self.run_id} is {now}; its admission claimed it at another revision")
         if outcome == "pause_gone":
             # The continuation to execute is gone, so there is nothing this grant could hand over.

@@ -18,6 +18,7 @@ import pytest
 
 from intermission.engine.claims import CLAIM, ClaimRow
 from intermission.engine.commands import Claimed, Resume
+from intermission.engine.committer import Batch
 from intermission.engine.postgres import PostgresCommitter
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker
@@ -270,7 +271,7 @@ async def test_a_claim_statement_that_raises_writes_nothing_and_each_claim_then_
     rows = [claim_row(n, f"m-{i}", lease.owner, lease.ttl_seconds) for i, n in enumerate(notices)]
     rows[0] = rows[0]._replace(lease_ttl=float("inf"))
     with pytest.raises(Exception):  # noqa: B017, PT011 - the database's error, whatever its class
-        await PostgresCommitter(stores.db).commit(CLAIM, rows, None, atomic=False, decode=lambda outs: outs)
+        await PostgresCommitter(stores.db).commit(Batch(CLAIM, rows), lambda outs: outs)
     async with stores.db.connection() as con:
         assert await con.raw.fetchval("SELECT count(*) FROM inbox WHERE message_id LIKE 'm-%'") == 0
         states = await con.raw.fetch("SELECT state FROM runs WHERE id = ANY($1)", [n.run_id for n in notices])
