@@ -55,7 +55,7 @@ from intermission.consumers.handlers import CommandHandlers
 from intermission.consumers.parsing import MAX_REPLY_BODY_BYTES, Delivery, check_body_limits, check_envelope
 from intermission.consumers.rejection import Rejecter
 from intermission.engine.commands import Claimed, StaleExpiry
-from intermission.engine.observer import QUIET, Observer
+from intermission.engine.observer import CRASH_POINTS, Observer
 from intermission.engine.transition import Applicable
 from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, backoff
 from intermission.schemas.errors import PermanentError, StoreContention, TransientError
@@ -158,7 +158,7 @@ class AckPolicy:
         retry_seconds: float = 180.0,
         max_backoff_seconds: float = 5.0,
         limits: CommandLimits | None = None,
-        observer: Observer = QUIET,
+        observer: Observer = CRASH_POINTS,
         acks: Acknowledgements | None = None,
     ) -> None:
         self.handlers = handlers

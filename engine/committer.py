@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from intermission import points
 from intermission.engine.events import OutboxEvent
-from intermission.engine.observer import QUIET, Observer
+from intermission.engine.observer import CRASH_POINTS, Observer
 from intermission.engine.sink import EventSink
 from intermission.engine.transition import Family, Transition
 from intermission.store.rows import Out
@@ -110,7 +110,7 @@ class GroupCommit:
         max_size: int = 64,
         max_in_flight: int = 2,
         max_statements: int | None = None,
-        observer: Observer = QUIET,
+        observer: Observer = CRASH_POINTS,
     ) -> None:
         if max_size < 1 or max_in_flight < 1 or (max_statements is not None and max_statements < 1):
             raise ValueError("a batch holds at least one transition, and at least one batch may run")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from intermission.engine.committer import Committer, GroupCommit
-from intermission.engine.observer import QUIET, Observer
+from intermission.engine.observer import CRASH_POINTS, Observer
 from intermission.engine.postgres import PostgresCommitter
 from intermission.engine.seed import ScopedEngine
 from intermission.engine.sink import EventSink
@@ -49,7 +49,7 @@ class Engine:
         *,
         lease: Lease | None = None,
         defaults: RunDefaults = PLAIN_DEFAULTS,
-        observer: Observer = QUIET,
+        observer: Observer = CRASH_POINTS,
         max_size: int = 64,
         max_in_flight: int = 2,
         max_statements: int | None = None,

@@ -172,3 +172,7 @@ class Spans(Quiet):
 
 
 QUIET = Quiet()
+# What an engine or an ack policy observes when given nothing else: the crash points, which cost a call where
+# no test installed a point observer, and which a crash test must find passed by whatever engine the process
+# it kills built (``tests/acceptance``).
+CRASH_POINTS = CrashPoints()
