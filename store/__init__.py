@@ -11,8 +11,10 @@ person logged in; nothing else crosses scopes. A run id names a run only within 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TypeVar
 
 from intermission.schemas.scope import Reach, Scope, require_scope
 from intermission.store.across_scopes import AcrossScopes
@@ -25,6 +27,17 @@ from intermission.store.runs import RunStore
 from intermission.store.sessions import SessionStore
 from intermission.store.suspensions import SuspensionStore
 
+_Reader = TypeVar("_Reader")
+
+
+def _reader(kind: Callable[[Database, Scope], _Reader]) -> cached_property[_Reader]:
+    """A reader of ``ScopedStores``: ``kind`` over its pool at its scope, made once, on first use."""
+
+    def make(stores: ScopedStores) -> _Reader:
+        return kind(stores.db, stores.scope)
+
+    return cached_property(make)
+
 
 class ScopedStores:
     """The store at one exact scope: every reader of its aggregates reads only there."""
@@ -35,29 +48,12 @@ class ScopedStores:
         # and a zero scope must fail before any statement is sent.
         self.scope = require_scope(scope)
 
-    @cached_property
-    def runs(self) -> RunStore:
-        return RunStore(self.db, self.scope)
-
-    @cached_property
-    def suspensions(self) -> SuspensionStore:
-        return SuspensionStore(self.db, self.scope)
-
-    @cached_property
-    def progress(self) -> ProgressStore:
-        return ProgressStore(self.db, self.scope)
-
-    @cached_property
-    def resume(self) -> ResumeStore:
-        return ResumeStore(self.db, self.scope)
-
-    @cached_property
-    def sessions(self) -> SessionStore:
-        return SessionStore(self.db, self.scope)
-
-    @cached_property
-    def ledger(self) -> DemoLedger:
-        return DemoLedger(self.db, self.scope)
+    runs = _reader(RunStore)
+    suspensions = _reader(SuspensionStore)
+    progress = _reader(ProgressStore)
+    resume = _reader(ResumeStore)
+    sessions = _reader(SessionStore)
+    ledger = _reader(DemoLedger)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ continues each run under its stored scope; the relay publishes each event to its
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -25,6 +24,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, SuspendReason, Suspension
 from intermission.store import rows
 from intermission.store.db import Conn, Database
+from intermission.store.rows import header_table, stored
 from intermission.wire import HeaderValue
 
 # A pause named by its run's scope and id and its own id.
@@ -68,15 +68,6 @@ class OutboxRow:
     body: str
     correlation_id: str | None
     headers: dict[str, HeaderValue]
-
-
-def _headers(raw: str | None) -> dict[str, HeaderValue]:
-    decoded: object = json.loads(raw) if raw else {}
-    if not isinstance(decoded, dict):
-        return {}
-    # AMQP header tables take scalars; the outbox only ever stores scalars (the schema version, a
-    # traceparent), so anything else is a foreign row and is left out rather than failing the batch.
-    return {str(k): v for k, v in decoded.items() if isinstance(v, str | int | float | bool)}
 
 
 # How much of the broker's reason a row keeps: enough for any reason RabbitMQ gives (a size, a user, a
@@ -141,18 +132,7 @@ class OutboxBatch:
             policy.first_wait_seconds,
             policy.longest_wait_seconds,
         )
-        return [
-            Refused(
-                id=r["id"],
-                message_id=r["message_id"],
-                routing_key=r["routing_key"],
-                attempts=r["attempts"],
-                reason=r["last_error"],
-                quarantined=r["quarantined"],
-                retry_in=r["retry_in"],
-            )
-            for r in found
-        ]
+        return [stored(Refused, r, reason=r["last_error"]) for r in found]
 
 
 @dataclass(frozen=True)
@@ -214,16 +194,7 @@ class AcrossScopes:
         after_expires, after_id = after if after is not None else (_BEFORE_EVERY_DEADLINE, 0)
         async with self.db.connection() as con:
             found = await con.fetch("list_expired_paused_across_scopes", cutoff, after_expires, after_id, limit)
-        return [
-            ExpiredPause(
-                scope=Scope(app=r["app"], tenant=r["tenant"]),
-                run_id=r["run_id"],
-                suspension_id=r["suspension_id"],
-                run_revision=r["run_revision"],
-                expires_at=r["expires_at"],
-            )
-            for r in found
-        ]
+        return [stored(ExpiredPause, r, scope=Scope(app=r["app"], tenant=r["tenant"])) for r in found]
 
     # --- the outbox relay --------------------------------------------------------------------------
 
@@ -237,14 +208,7 @@ class AcrossScopes:
             yield OutboxBatch(
                 con,
                 [
-                    OutboxRow(
-                        id=r["id"],
-                        message_id=str(r["message_id"]),
-                        routing_key=r["routing_key"],
-                        body=r["body"],
-                        correlation_id=r["correlation_id"],
-                        headers=_headers(r["headers"]),
-                    )
+                    stored(OutboxRow, r, message_id=str(r["message_id"]), headers=header_table(r["headers"]))
                     for r in found
                 ],
             )
@@ -272,22 +236,7 @@ class AcrossScopes:
             raise InvalidArgument("limit must be between 1 and 10000")
         async with self.db.connection() as con:
             found = await con.fetch("list_quarantined_outbox" if quarantined else "list_unsent_outbox", limit)
-        return [
-            OutboxEntry(
-                id=r["id"],
-                message_id=r["message_id"],
-                routing_key=r["routing_key"],
-                app=r["app"],
-                tenant=r["tenant"],
-                run_id=r["run_id"],
-                created_at=r["created_at"],
-                attempts=r["attempts"],
-                next_attempt_at=r["next_attempt_at"],
-                quarantined_at=r["quarantined_at"],
-                last_error=r["last_error"],
-            )
-            for r in found
-        ]
+        return [stored(OutboxEntry, r) for r in found]
 
     # --- operators ---------------------------------------------------------------------------------
 
@@ -338,26 +287,7 @@ class AcrossScopes:
                 after.app if after is not None else None,
                 after.tenant if after is not None else None,
             )
-        return [
-            RunSummary(
-                id=r["id"],
-                app=r["app"],
-                tenant=r["tenant"],
-                agent_id=r["agent_id"],
-                state=r["state"],
-                revision=r["revision"],
-                lease_owner=r["lease_owner"],
-                lease_expires_at=r["lease_expires_at"],
-                step_count=r["step_count"],
-                created_at=r["created_at"],
-                updated_at=r["updated_at"],
-                ended_at=r["ended_at"],
-                suspension_id=r["suspension_id"],
-                reason=r["reason"],
-                expires_at=r["expires_at"],
-            )
-            for r in found
-        ]
+        return [stored(RunSummary, r) for r in found]
 
     async def pause_figures(self) -> PauseFigures:
         """Live pauses by reason and age, and their deadlines, by the database clock."""
@@ -387,16 +317,7 @@ class AcrossScopes:
         async with self.db.connection() as con:
             found = await con.fetch("stale_leases", grace_seconds, limit)
         total = int(found[0]["total"]) if found else 0
-        return total, [
-            StaleLease(
-                run_id=r["id"],
-                app=r["app"],
-                tenant=r["tenant"],
-                lease_owner=r["lease_owner"],
-                lapsed_seconds=r["lapsed_seconds"],
-            )
-            for r in found
-        ]
+        return total, [stored(StaleLease, r, run_id=r["id"]) for r in found]
 
     async def replication(self) -> Replication:
         """Whether this server is a standby, and the standbys streaming from it (a primary's view)."""
@@ -405,14 +326,7 @@ class AcrossScopes:
         return Replication(
             in_recovery=bool(found[0]["in_recovery"]) if found else False,
             standbys=[
-                Standby(
-                    name=r["application_name"],
-                    address=r["client_addr"],
-                    state=r["state"],
-                    sync_state=r["sync_state"],
-                    lag_bytes=r["lag_bytes"],
-                    lag_seconds=r["lag_seconds"],
-                )
+                stored(Standby, r, name=r["application_name"], address=r["client_addr"])
                 for r in found
                 if r["application_name"] is not None or r["state"] is not None
             ],

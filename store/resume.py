@@ -36,8 +36,8 @@ from intermission.schemas.resume import (
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Suspension
 from intermission.store import rows
-from intermission.store.db import Database
-from intermission.store.rows import Out
+from intermission.store.rows import Out, stored
+from intermission.store.scoped import ScopedReader
 
 # ListAgentReplyRuns returns run ids only, so a page of 256 is small.
 MAX_DISCOVERY_PAGE = 256
@@ -202,22 +202,15 @@ class AdmissionState:
     closed_at: datetime | None
 
 
-class ResumeStore:
+class ResumeStore(ScopedReader):
     """Agent-reply resume evidence and the writes that make it, at one exact scope."""
-
-    def __init__(self, db: Database, scope: Scope) -> None:
-        self.db = db
-        self.scope = scope
 
     # --- admission ---------------------------------------------------------------------------------
 
     async def pause_for(self, version: ClaimVersion) -> Suspension:
         """The live pause ``version`` pins, read and decoded: NotSuspended when there is none, RunConflict
         when the run waits on another."""
-        async with self.db.connection() as con:
-            row = await con.fetchrow("get_suspension", version.run_id, self.scope.app, self.scope.tenant)
-        if row is None:
-            raise NotSuspended(f"no live pause for run {version.run_id} at scope {self.scope}")
+        row = await self._found("get_suspension", version.run_id, NotSuspended, f"live pause for run {version.run_id}")
         pause = rows.suspension_from_row(row)
         if pause.id != version.suspension_id:
             raise RunConflict(f"run {version.run_id} is paused on suspension {pause.id}, not {version.suspension_id}")
@@ -242,10 +235,9 @@ class ResumeStore:
     async def latest_resume_admission(self, run_id: str) -> ResumeAdmission:
         """The run's admission with the highest suspension id: its latest admitted pause."""
         check_run_id(run_id)
-        async with self.db.connection() as con:
-            row = await con.fetchrow("resume_latest_admission", run_id, self.scope.app, self.scope.tenant)
-        if row is None:
-            raise ResumeAdmissionNotFound(f"no admission for run {run_id} at scope {self.scope}")
+        row = await self._found(
+            "resume_latest_admission", run_id, ResumeAdmissionNotFound, f"admission for run {run_id}"
+        )
         return admission_from_row(row)
 
     async def list_resume_admissions(self, cursor: str, limit: int) -> ResumeAdmissionPage:
@@ -275,20 +267,7 @@ class ResumeStore:
         """Operators: the run's admissions in pause order, each with whether it was started, expired or
         closed."""
         check_run_id(run_id)
-        async with self.db.connection() as con:
-            found = await con.fetch("list_run_admissions", run_id, self.scope.app, self.scope.tenant)
-        return [
-            AdmissionState(
-                suspension_id=r["suspension_id"],
-                pinned_revision=r["pinned_revision"],
-                claimed_revision=r["claimed_revision"],
-                admitted_at=r["admitted_at"],
-                started_at=r["started_at"],
-                expired_at=r["expired_at"],
-                closed_at=r["closed_at"],
-            )
-            for r in found
-        ]
+        return [stored(AdmissionState, r) for r in await self._run_rows("list_run_admissions", run_id)]
 
     async def get_resume_start(self, run_id: str, suspension_id: int) -> ResumeStart:
         """A recorded start, never with its suspension: reading a start grants nothing."""

@@ -9,9 +9,12 @@ a run on values nobody wrote as such). A stored record without ``schema_version`
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from collections.abc import Mapping
-from typing import Any, TypeAlias, TypeVar
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import asyncpg
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -32,6 +35,9 @@ from intermission.schemas.suspension import (
     SuspendReason,
     Suspension,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -186,3 +192,34 @@ def progress_arguments(p: Progress, prefix: str = "", *, continuation: bool = Tr
         f"{prefix}ending": None if p.ending is None else dump(p.ending),
         f"{prefix}approved": dump_list(CALL_IDS, p.approved),
     }
+
+
+# --- records read as stored ----------------------------------------------------------------------------
+
+D = TypeVar("D", bound="DataclassInstance")
+
+
+@functools.cache
+def _field_names(kind: type[DataclassInstance]) -> frozenset[str]:
+    # Cached: the relay decodes every outbox row it publishes through ``stored``.
+    return frozenset(f.name for f in fields(kind))
+
+
+def stored(kind: type[D], row: Out, **decoded: Any) -> D:
+    """A ``kind`` read as stored: each field is the row's column of the same name, except those given in
+    ``decoded`` (a value decoded from its column, or read from a column of another name)."""
+    names = _field_names(kind)
+    if not decoded.keys() <= names:
+        # A misspelt field would otherwise be read from its column without a word.
+        raise TypeError(f"{kind.__name__} has no field {sorted(decoded.keys() - names)}")
+    return kind(**{name: decoded[name] if name in decoded else row[name] for name in names})
+
+
+def header_table(raw: str | None) -> dict[str, str | int | float | bool]:
+    """An outbox row's stored headers as the AMQP header table they were written as."""
+    decoded: object = json.loads(raw) if raw else {}
+    if not isinstance(decoded, dict):
+        return {}
+    # AMQP header tables take scalars; the outbox only ever stores scalars (the schema version, a
+    # traceparent), so anything else is a foreign row and is left out rather than failing the read.
+    return {str(k): v for k, v in decoded.items() if isinstance(v, str | int | float | bool)}

@@ -12,22 +12,14 @@ from datetime import datetime
 
 from intermission.schemas.errors import RunLeaseLost, RunNotFound
 from intermission.schemas.run import Lease, Run
-from intermission.schemas.scope import Scope
 from intermission.store import rows
-from intermission.store.db import Database
+from intermission.store.rows import header_table, stored
+from intermission.store.scoped import ScopedReader
 
 
-class RunStore:
-    def __init__(self, db: Database, scope: Scope) -> None:
-        self.db = db
-        self.scope = scope
-
+class RunStore(ScopedReader):
     async def get_run(self, run_id: str) -> Run:
-        async with self.db.connection() as con:
-            row = await con.fetchrow("get_run", run_id, self.scope.app, self.scope.tenant)
-        if row is None:
-            raise RunNotFound(f"no run {run_id} at scope {self.scope}")
-        return rows.run_from_row(row)
+        return rows.run_from_row(await self._found("get_run", run_id, RunNotFound, f"run {run_id}"))
 
     async def renew_lease(self, run_id: str, lease: Lease) -> None:
         """Extend a live lease. A lease that lapsed or passed to someone else is RunLeaseLost: its holder
@@ -42,63 +34,18 @@ class RunStore:
             raise RunLeaseLost(f"{lease.owner} no longer holds run {run_id}")
 
     async def list_run_events(self, run_id: str) -> list[dict[str, object]]:
-        async with self.db.connection() as con:
-            found = await con.fetch("list_run_events", run_id, self.scope.app, self.scope.tenant)
-        return [
-            {
-                "event_id": r["event_id"],
-                "kind": r["kind"],
-                "revision": r["revision"],
-                "data": json.loads(r["data"]),
-                "created_at": r["created_at"],
-            }
-            for r in found
-        ]
+        return [{**r, "data": json.loads(r["data"])} for r in await self._run_rows("list_run_events", run_id)]
 
     async def list_outbox(self, run_id: str) -> list[RunOutboxRow]:
         """Operators: the run's outbox rows in order, where each stands, never their bodies."""
-        async with self.db.connection() as con:
-            found = await con.fetch("list_run_outbox", run_id, self.scope.app, self.scope.tenant)
-        return [
-            RunOutboxRow(
-                id=r["id"],
-                message_id=r["message_id"],
-                routing_key=r["routing_key"],
-                correlation_id=r["correlation_id"],
-                headers=_header_table(r["headers"]),
-                created_at=r["created_at"],
-                sent_at=r["sent_at"],
-                attempts=r["attempts"],
-                next_attempt_at=r["next_attempt_at"],
-                quarantined_at=r["quarantined_at"],
-                last_error=r["last_error"],
-            )
-            for r in found
-        ]
+        found = await self._run_rows("list_run_outbox", run_id)
+        return [stored(RunOutboxRow, r, headers=header_table(r["headers"])) for r in found]
 
     async def notice_of_pause(self, run_id: str, suspension_id: int) -> StoredEvent | None:
         """The outbox row that carried the Notice of pause ``suspension_id``, whole (None: there is none,
         or it was pruned)."""
-        async with self.db.connection() as con:
-            r = await con.fetchrow("notice_of_pause", run_id, self.scope.app, self.scope.tenant, suspension_id)
-        if r is None:
-            return None
-        return StoredEvent(
-            id=r["id"],
-            message_id=r["message_id"],
-            routing_key=r["routing_key"],
-            body=r["body"],
-            correlation_id=r["correlation_id"],
-            headers=_header_table(r["headers"]),
-        )
-
-
-def _header_table(raw: str | None) -> dict[str, str | int | float | bool]:
-    # The outbox only ever stores scalars (the schema version, a traceparent); anything else is left out.
-    decoded: object = json.loads(raw) if raw else {}
-    if not isinstance(decoded, dict):
-        return {}
-    return {str(k): v for k, v in decoded.items() if isinstance(v, str | int | float | bool)}
+        r = await self._run_row("notice_of_pause", run_id, suspension_id)
+        return None if r is None else stored(StoredEvent, r, headers=header_table(r["headers"]))
 
 
 @dataclass(frozen=True)
