@@ -114,12 +114,15 @@ class SaveRow(NamedTuple):
     run_id: str
     app: str
     tenant: str
+    # Whose live lease the save needs.
     owner: str
+    # The snapshot, its parts encoded as the progress row stores them.
     continuation: str | None
     started: str | None
     done: str | None
     ending: str | None
     approved: str | None
+    # What the run row takes from it in the same statement.
     step_count: int
     tokens_used: int
 

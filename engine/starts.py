@@ -112,6 +112,7 @@ class StartRow(NamedTuple):
     run_id: str
     app: str
     tenant: str
+    # The run as the start asks for it, its config resolved against the fleet's defaults.
     agent_id: str
     input: str
     config: str
@@ -119,12 +120,15 @@ class StartRow(NamedTuple):
     pause_ttl_seconds: int
     session_id: str
     start_digest: str
+    # The lease it runs under and its first snapshot (all NULL: created, not running).
     lease_owner: str | None
     lease_ttl: float | None
     first_continuation: str | None
+    # The start command's inbox record.
     message_id: str | None
     routing_key: str | None
     digest: str | None
+    # The quotas of a scope that has no row of its own in scope_quotas.
     default_live_runs: int
     default_starts_per_second: float
 
