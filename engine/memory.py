@@ -19,6 +19,13 @@ What a batch is, as the database makes it:
   batch moves it on by a microsecond, as two transactions never share a start;
 - ids come from counters that, like sequences, are not given back by a rollback.
 
+Beside the committer, the few things a worker does to the store outside any transition, over the same
+tables, for the fleet's fast tier (``InMemoryFleetStore``): the lease keeper's renewals (``InMemoryLeaseLine``,
+the ``renew_leases`` statement of ``store/queries/leases.sql``), the demo ledger (``InMemoryLedger``,
+``store/queries/ledger.sql``) and the count of running runs (``count_running``). They match the fleet's
+protocols (``fleet/lease.py``'s ``LeaseLine``, ``fleet/runtime.py``'s ``FleetStore``) by their shape: the
+engine may not import the fleet.
+
 The conformance suite (``tests/support/conformance.py``) runs the same cases against this committer and
 against ``PostgresCommitter``, so that it cannot drift from the real thing. No guarantee about races,
 crashes or the broker rests on it: here nothing runs concurrently, nothing crashes, nothing is sent.
@@ -30,7 +37,7 @@ import asyncio
 import json
 import re
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -40,8 +47,11 @@ from intermission.engine.committer import Batch, Outs, group_by_position
 from intermission.engine.core import Engine
 from intermission.engine.transition import Family
 from intermission.schemas.errors import InvalidArgument, InvalidState
+from intermission.schemas.run import Ending
+from intermission.schemas.scope import Scope, require_scope
 from intermission.store.db import StoreError
-from intermission.store.rows import Out
+from intermission.store.leases import HeldRun, Renewed
+from intermission.store.rows import Out, load_model
 
 T = TypeVar("T")
 
@@ -353,7 +363,8 @@ def _plus(at: datetime, seconds: float | None) -> datetime | None:
 
 @dataclass
 class Tables:
-    """Every table a batch function touches, keyed by its primary key."""
+    """Every table a batch function touches, keyed by its primary key; and ``demo_charges``, which the demo's
+    ``charge`` tool writes outside any transition (``InMemoryLedger``)."""
 
     runs: dict[Key, Row] = field(default_factory=dict)
     suspensions: dict[int, Row] = field(default_factory=dict)
@@ -369,6 +380,7 @@ class Tables:
     resume_closures: dict[EvidenceKey, Row] = field(default_factory=dict)
     scope_quotas: dict[tuple[str, str], Row] = field(default_factory=dict)
     scope_start_buckets: dict[tuple[str, str], Row] = field(default_factory=dict)
+    demo_charges: dict[int, Row] = field(default_factory=dict)
 
     def copy(self) -> Tables:
         """What a rollback goes back to: rows are never changed in place, so copying each table's dict is
@@ -400,6 +412,7 @@ class Sequences:
     outbox: int = 0
     run_events: int = 0
     session_messages: int = 0
+    demo_charges: int = 0
 
     def next(self, name: str) -> int:
         value: int = getattr(self, name) + 1
@@ -575,6 +588,78 @@ class InMemoryCommitter:
     def mark_sent(self, outbox_id: int) -> None:
         """Mark an outbox row sent, as a relay does after the broker's confirm."""
         self.tables.outbox[outbox_id] = {**self.tables.outbox[outbox_id], "sent_at": self.clock.now()}
+
+    # --- what a worker runs outside the committer: renewals, the demo ledger, a count ------------------
+
+    def renew_leases(self, owner: str, ttl_seconds: float, held: Iterable[HeldRun]) -> list[Row]:
+        """``renew_leases`` (``store/queries/leases.sql``) in a transaction of its own: each run of ``held``
+        still running under ``owner``'s live lease gets ``now() + ttl``; a row (id, app, tenant, ending as
+        jsonb text) per run renewed. Nothing else of the run changes (not even ``updated_at``)."""
+        # Text reaches the database as text: what it refuses, it refuses before anything is read.
+        _check_text(owner)
+        wanted = {(h.scope.app, h.scope.tenant, h.run_id) for h in held}
+        for key in wanted:
+            for part in key:
+                _check_text(part)
+        now = self.clock.transaction()
+        before = self.tables.copy()
+        renewed: list[Row] = []
+        try:
+            # The statement locks and renews in key order; nothing runs beside it here, but its answer keeps
+            # that order too.
+            for key in sorted(wanted):
+                run = self.tables.runs.get(key)
+                if run is None or not self._renewable(run, owner, now):
+                    continue
+                self._put_run({**run, "lease_expires_at": _plus(now, ttl_seconds)})
+                renewed.append({"id": run["id"], "app": run["app"], "tenant": run["tenant"], "ending": run["ending"]})
+        except BaseException:
+            self.tables.restore(before)
+            raise
+        return renewed
+
+    @staticmethod
+    def _renewable(run: Row, owner: str, now: datetime) -> bool:
+        # WHERE r.state = 'running' AND $1 <> '' AND r.lease_owner = $1 AND r.lease_expires_at > now(): a
+        # lease that lapsed is not renewed even for its own holder (another worker may be taking it).
+        expires: datetime | None = run["lease_expires_at"]
+        return (
+            run["state"] == "running"
+            and owner != ""
+            and run["lease_owner"] == owner
+            and expires is not None
+            and expires > now
+        )
+
+    def charge(self, scope: Scope, run_id: str, call_id: str, amount: Decimal) -> int:
+        """``insert_demo_charge``: one row per call, never refused for a repeat (a call that ran twice must
+        show as two rows); its id, the receipt."""
+        for text in (scope.app, scope.tenant, run_id, call_id):
+            _check_text(text)
+        receipt = self.sequences.next("demo_charges")
+        self.tables.demo_charges[receipt] = {
+            "id": receipt,
+            "app": scope.app,
+            "tenant": scope.tenant,
+            "run_id": run_id,
+            "call_id": call_id,
+            "amount": amount,
+            # clock_timestamp(): the statement's own moment, which no transaction here has begun.
+            "charged_at": self.clock.now(),
+        }
+        return receipt
+
+    def times_charged(self, scope: Scope, run_id: str) -> dict[str, int]:
+        """``count_demo_charges``: how many times each call of the run was charged, at its exact scope."""
+        counts: dict[str, int] = {}
+        for row in self.tables.demo_charges.values():
+            if (row["app"], row["tenant"], row["run_id"]) == (scope.app, scope.tenant, run_id):
+                counts[row["call_id"]] = counts.get(row["call_id"], 0) + 1
+        return dict(sorted(counts.items()))
+
+    def count_running(self) -> int:
+        """``count_running``'s ``running``: the runs running in any scope, under a live lease or not."""
+        return sum(1 for run in self.tables.runs.values() if run["state"] == "running")
 
     # --- the reads ------------------------------------------------------------------------------------
 
@@ -1717,9 +1802,83 @@ def committer_of(engine: Engine) -> InMemoryCommitter:
     return committer
 
 
+# --- what a worker uses beside its engine, over the same tables ----------------------------------------
+
+
+class InMemoryLeaseLine:
+    """The lease keeper's line over an in-memory committer: ``store/leases.py``'s ``LeaseLine`` with the
+    committer's tables and clock in place of a connection of its own. A renewal waits one turn of the event
+    loop, as a round trip would, so that the run's own writes may land beside it."""
+
+    def __init__(self, committer: InMemoryCommitter) -> None:
+        self._committer = committer
+        # What the keeper has done with it, for tests: renewals asked (of at least one run), and whether the
+        # line is "open" (a renewal opens it; an idle keeper's close, or the fleet's stop, closes it).
+        self.renewals = 0
+        self.connected = False
+
+    async def renew(self, owner: str, ttl_seconds: float, held: Sequence[HeldRun]) -> dict[HeldRun, Renewed]:
+        if not held:
+            return {}  # as store/leases.py: no statement for nothing
+        await asyncio.sleep(0)
+        self.connected = True
+        self.renewals += 1
+        found = self._committer.renew_leases(owner, ttl_seconds, held)
+        # Decoded as store/leases.py decodes the statement's rows: by the whole key, the ending as stored.
+        asked = {(h.scope.app, h.scope.tenant, h.run_id): h for h in held}
+        answered = ((asked[(r["app"], r["tenant"], r["id"])], r["ending"]) for r in found)
+        return {
+            h: Renewed(h.run_id, h.scope, None if ending is None else load_model(Ending, ending, "run ending"))
+            for h, ending in answered
+        }
+
+    async def close(self) -> None:
+        self.connected = False
+
+
+class InMemoryLedger:
+    """The demo ledger (``store/ledger.py``'s ``DemoLedger``) at one scope, in the committer's
+    ``demo_charges``."""
+
+    def __init__(self, committer: InMemoryCommitter, scope: Scope) -> None:
+        self._committer = committer
+        self.scope = require_scope(scope)
+
+    async def charge(self, run_id: str, call_id: str, amount: Decimal) -> int:
+        await asyncio.sleep(0)  # a round trip, as DemoLedger's
+        return self._committer.charge(self.scope, run_id, call_id, amount)
+
+    async def times_charged(self, run_id: str) -> dict[str, int]:
+        return self._committer.times_charged(self.scope, run_id)
+
+
+class InMemoryFleetStore:
+    """What a fleet uses beside its engine (``fleet/runtime.py``'s ``FleetStore``), over ``committer``: give
+    the fleet this and an engine over the same committer (``memory_engine(committer)``)."""
+
+    def __init__(self, committer: InMemoryCommitter) -> None:
+        self.committer = committer
+        # Every line the fleet asked for, in order (a fleet asks for one): tests read its renewals.
+        self.lines: list[InMemoryLeaseLine] = []
+
+    def lease_line(self, owner: str, *, timeout: float) -> InMemoryLeaseLine:
+        line = InMemoryLeaseLine(self.committer)
+        self.lines.append(line)
+        return line
+
+    def ledger(self, scope: Scope) -> InMemoryLedger:
+        return InMemoryLedger(self.committer, scope)
+
+    async def count_running(self) -> int:
+        return self.committer.count_running()
+
+
 __all__ = [
     "Clock",
     "InMemoryCommitter",
+    "InMemoryFleetStore",
+    "InMemoryLeaseLine",
+    "InMemoryLedger",
     "Sequences",
     "Tables",
     "committer_of",

@@ -21,6 +21,7 @@ from intermission.engine.postgres import PostgresCommitter
 from intermission.engine.sink import CollectedEvents
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
+from intermission.store.leases import LeaseLine
 from tests.support.conformance import (
     CASES,
     TABLES,
@@ -41,6 +42,7 @@ class PostgresWorld:
     what no transition does is done, over the inspector's own connection."""
 
     def __init__(self, stores: Stores, con: asyncpg.Connection[Any], committer: Recording) -> None:
+        self.stores = stores
         self.engine = Engine(committer, stores=stores)
         self.sink = CollectedEvents()
         self.engine.hand_events_to(self.sink)
@@ -70,6 +72,9 @@ class PostgresWorld:
 
     async def later(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
+
+    def lease_line(self) -> LeaseLine:
+        return LeaseLine(self.stores.db, timeout=5.0, application_name="conformance-lease-line")
 
     async def spoil(self, table: str, scope: Scope, run_id: str, column: str, value: str) -> None:
         assert table in TABLES  # names of ours, never a caller's text

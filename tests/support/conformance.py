@@ -35,7 +35,7 @@ from intermission.engine.commands import Cancel, Claimed, Decide, Expire, Reply,
 from intermission.engine.committer import Batch, Committer, Outs
 from intermission.engine.core import Engine
 from intermission.engine.holding import Reclaimed, ReclaimLapsed, ReleaseLease, TakeOverRun, Unreadable
-from intermission.engine.memory import InMemoryCommitter, jsonb, memory_engine
+from intermission.engine.memory import InMemoryCommitter, InMemoryLeaseLine, jsonb, memory_engine
 from intermission.engine.outbox import RetryQuarantined
 from intermission.engine.pauses import CreatePause, DeletePause, DeleteProgress, MoveDeadline
 from intermission.engine.replies import AdmitResume, CloseResume, ExpireAdmission, ReadEvidence, StartResume
@@ -53,6 +53,7 @@ from intermission.engine.runs import (
 )
 from intermission.engine.sink import CollectedEvents
 from intermission.engine.starts import START, CreatedRun, Quota, StartRun
+from intermission.fleet.lease import LeaseLine
 from intermission.schemas.answers import reply_progress
 from intermission.schemas.commands import (
     CancelCommand,
@@ -98,6 +99,7 @@ from intermission.schemas.suspension import (
 )
 from intermission.store import rows
 from intermission.store.inbox import AlreadyApplied, Receipt
+from intermission.store.leases import HeldRun, Renewed
 from intermission.wire import notice_key, run_event_key
 
 T = TypeVar("T")
@@ -143,6 +145,11 @@ class World(Protocol):
     async def spoil(self, table: str, scope: Scope, run_id: str, column: str, value: str) -> None:
         """Rewrite a run's jsonb ``column`` in ``table`` behind the store's back (what only a bug or a hand
         does): a stored row a transition must then refuse to hand over."""
+        ...
+
+    def lease_line(self) -> LeaseLine:
+        """A lease keeper's line over the world's store (the caller closes it): renewals run outside the
+        committer, in a statement of their own."""
         ...
 
 
@@ -201,6 +208,9 @@ class MemoryWorld:
         for key, row in list(rows_of.items()):
             if (row["app"], row["tenant"], row[key_column]) == (scope.app, scope.tenant, run_id):
                 rows_of[key] = {**row, column: jsonb(value)}
+
+    def lease_line(self) -> InMemoryLeaseLine:
+        return InMemoryLeaseLine(self.memory)
 
 
 def forbid_sockets(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1227,6 +1237,46 @@ async def a_session_is_read_at_its_scope_within_its_window(world: World) -> None
     assert await world.engine.apply(ReadSession(OTHER, "s-r1", 100)) == []
 
 
+async def a_renewal_extends_only_the_live_leases_its_owner_holds_and_hands_over_an_asked_ending(
+    world: World,
+) -> None:
+    ending = Ending(kind=EndingKind.CANCEL, reason="stop")
+    await start(world, "r1")
+    await start(world, "r1", scope=OTHER)
+    await start(world, "r2", lease=RIVAL)
+    await start(world, "r3")
+    assert await world.engine.apply(ReleaseLease(SCOPE, "r3", OWNER))  # lapsed now, by its holder's leave
+    await paused(world, "r4")
+    assert await world.engine.apply(RequestEnding(SCOPE, "r1", ending)) == "requested"
+    before = {(r["app"], r["tenant"], r["id"]): r for r in await world.table("runs")}
+    held = [HeldRun(run_id, SCOPE) for run_id in ("r1", "r2", "r3", "r4", "nobody")] + [HeldRun("r1", OTHER)]
+    line = world.lease_line()
+    try:
+        renewed = await line.renew(OWNER, 60, held)
+        # Held by the owner under a live lease, at the exact scope asked: the two r1; with the ending asked.
+        assert renewed == {
+            HeldRun("r1", SCOPE): Renewed("r1", SCOPE, ending),
+            HeldRun("r1", OTHER): Renewed("r1", OTHER, None),
+        }
+        after = {(r["app"], r["tenant"], r["id"]): r for r in await world.table("runs")}
+        mine = [(SCOPE.app, SCOPE.tenant, "r1"), (OTHER.app, OTHER.tenant, "r1")]
+        # One statement: one now() + ttl for every lease it renews, and nothing else of a run changes.
+        assert after[mine[0]]["lease_expires_at"] == after[mine[1]]["lease_expires_at"]
+        for k in mine:
+            assert after[k]["lease_expires_at"] > before[k]["lease_expires_at"]
+            assert {c: v for c, v in after[k].items() if c != "lease_expires_at"} == {
+                c: v for c, v in before[k].items() if c != "lease_expires_at"
+            }
+        assert {k: after[k] for k in after if k not in mine} == {k: before[k] for k in before if k not in mine}
+        # Nobody's name, another's run at a scope it is not in, nothing asked: nothing renewed.
+        assert await line.renew("", 60, held) == {}
+        assert await line.renew(RIVAL.owner, 60, [HeldRun("r2", OTHER)]) == {}
+        assert await line.renew(OWNER, 60, []) == {}
+        assert await world.table("runs") == list(after.values())
+    finally:
+        await line.close()
+
+
 # The cases, in the order they run; a case added here runs against both committers.
 Case = Callable[[World], Awaitable[None]]
 CASES: list[Case] = [
@@ -1276,6 +1326,7 @@ CASES: list[Case] = [
     a_pause_created_from_outside_is_one_per_run_and_deleted_by_key,
     quarantined_outbox_rows_are_put_back_in_line,
     a_session_is_read_at_its_scope_within_its_window,
+    a_renewal_extends_only_the_live_leases_its_owner_holds_and_hands_over_an_asked_ending,
 ]
 
 
