@@ -490,6 +490,12 @@ def _encoded(family: Family, row: NamedTuple) -> Row:
 Handler = Callable[[_Txn, Row], list[Row]]
 
 
+def _evidence_of(p: Row) -> Row:
+    """The columns every record of a reply's evidence (its expiry, its closure) starts with: the pause it is
+    about, at its scope, in the record format it was written in."""
+    return {name: p[name] for name in ("run_id", "suspension_id", "app", "tenant", "schema_version")}
+
+
 class InMemoryCommitter:
     """The ``Committer`` over dictionaries (see the module docstring). ``tables`` is the store's state, for
     tests to read (never to write behind a transition's back, but for what no transition does: an
@@ -1455,11 +1461,7 @@ class InMemoryCommitter:
         if any(row["event_id"] == p["event_id"] for row in self.tables.resume_expiries.values()):
             raise _sqlstate("23505", "resume_expiries_event_id_key")
         expiry = {
-            "run_id": p["run_id"],
-            "suspension_id": p["suspension_id"],
-            "app": p["app"],
-            "tenant": p["tenant"],
-            "schema_version": p["schema_version"],
+            **_evidence_of(p),
             "pinned_revision": admission["pinned_revision"],
             "request_digest": admission["request_digest"],
             "event_id": p["event_id"],
@@ -1546,11 +1548,7 @@ class InMemoryCommitter:
         if any(row["event_id"] == p["run_event_id"] for row in self.tables.resume_closures.values()):
             raise _sqlstate("23505", "resume_closures_event_id_key")
         closure = {
-            "run_id": p["run_id"],
-            "suspension_id": p["suspension_id"],
-            "app": p["app"],
-            "tenant": p["tenant"],
-            "schema_version": p["schema_version"],
+            **_evidence_of(p),
             "request": p["request"],
             "request_digest": p["request_digest"],
             "event_id": p["run_event_id"],
