@@ -490,10 +490,16 @@ def _encoded(family: Family, row: NamedTuple) -> Row:
 Handler = Callable[[_Txn, Row], list[Row]]
 
 
-def _evidence_of(p: Row) -> Row:
-    """The columns every record of a reply's evidence (its expiry, its closure) starts with: the pause it is
-    about, at its scope, in the record format it was written in."""
-    return {name: p[name] for name in ("run_id", "suspension_id", "app", "tenant", "schema_version")}
+def _record_evidence(table: dict[Any, Row], table_name: str, key: Any, p: Row, **columns: Any) -> Row:
+    """Insert one record of a reply's evidence (an expiry, a closure): the pause it is about, at its scope,
+    in the record format it was written in, then ``columns``; its event id unique in its table, as the
+    table's unique key makes it."""
+    if any(row["event_id"] == columns["event_id"] for row in table.values()):
+        raise _sqlstate("23505", f"{table_name}_event_id_key")
+    record = {name: p[name] for name in ("run_id", "suspension_id", "app", "tenant", "schema_version")}
+    record.update(columns)
+    table[key] = record
+    return record
 
 
 class InMemoryCommitter:
@@ -1458,17 +1464,17 @@ class InMemoryCommitter:
             return [{"outcome": "no_run", "expiry": None}]
         if p["event_id"] is None:
             raise _sqlstate("23502", "resume_expiries.event_id must not be NULL")
-        if any(row["event_id"] == p["event_id"] for row in self.tables.resume_expiries.values()):
-            raise _sqlstate("23505", "resume_expiries_event_id_key")
-        expiry = {
-            **_evidence_of(p),
-            "pinned_revision": admission["pinned_revision"],
-            "request_digest": admission["request_digest"],
-            "event_id": p["event_id"],
-            "run_revision": run["revision"],
-            "expired_at": t.now,
-        }
-        self.tables.resume_expiries[ev_key] = expiry
+        expiry = _record_evidence(
+            self.tables.resume_expiries,
+            "resume_expiries",
+            ev_key,
+            p,
+            pinned_revision=admission["pinned_revision"],
+            request_digest=admission["request_digest"],
+            event_id=p["event_id"],
+            run_revision=run["revision"],
+            expired_at=t.now,
+        )
         data = {"suspension_id": p["suspension_id"], "request_digest": admission["request_digest"]}
         self._add_run_event(t, p["event_id"], key, "resume_expired", run["revision"], render_jsonb(data))
         return [{"outcome": "expired", "expiry": _copy(expiry)}]
@@ -1545,17 +1551,17 @@ class InMemoryCommitter:
             raise _invalid_state(f"run {p['run_id']} could not be closed: {ended['outcome']}")
         if p["request"] is None or p["request_digest"] is None:
             raise _sqlstate("23502", "resume_closures.request and request_digest must not be NULL")
-        if any(row["event_id"] == p["run_event_id"] for row in self.tables.resume_closures.values()):
-            raise _sqlstate("23505", "resume_closures_event_id_key")
-        closure = {
-            **_evidence_of(p),
-            "request": p["request"],
-            "request_digest": p["request_digest"],
-            "event_id": p["run_event_id"],
-            "run_revision": ended["revision"],
-            "closed_at": t.now,
-        }
-        self.tables.resume_closures[ev_key] = closure
+        closure = _record_evidence(
+            self.tables.resume_closures,
+            "resume_closures",
+            ev_key,
+            p,
+            request=p["request"],
+            request_digest=p["request_digest"],
+            event_id=p["run_event_id"],
+            run_revision=ended["revision"],
+            closed_at=t.now,
+        )
         return [{"outcome": "closed", "closure": _copy(closure), "revision": ended["revision"]}]
 
     # --- operators' and the original package's transitions -------------------------------------------
