@@ -39,6 +39,7 @@ from typing import Generic, NoReturn, TypeVar
 from intermission import points
 from intermission.agent.executor import ENDINGS, RunContext
 from intermission.agent.tools import ToolEnv
+from intermission.engine.runs import Pause
 from intermission.schemas.answers import approval_group, call_approvers
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.errors import (
@@ -53,7 +54,6 @@ from intermission.schemas.errors import (
 from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome, Usage
 from intermission.schemas.run import Run
 from intermission.schemas.suspension import Continuation, PendingCall, Progress, ProgressResult, SuspendReason
-from intermission.store.runs import Pause
 from intermission.tracing import failed, tool_span
 
 T = TypeVar("T")
@@ -341,7 +341,7 @@ class DurableRun:
         a stopping worker stops here."""
         if self._unsaved:
             await self._save()
-        points.reach(points.BETWEEN_STEPS)
+        self._ctx.reached(points.BETWEEN_STEPS)
         await self._ctx.boundary()
 
     async def close_turn(self, continuation: Continuation | None = None) -> None:
@@ -412,7 +412,7 @@ class DurableRun:
                 failed(span, "tool failed")
                 outcome = ProgressResult(call_id=call.id, error=exc.error, outcome=ToolOutcome.FAILED)
         if not retry_safe:
-            points.reach(points.AFTER_STARTED)
+            self._ctx.reached(points.AFTER_STARTED)
             self._started = [c for c in self._started if c.id != call.id]
         if not retry_safe or self._keeps_results:
             # In memory only: it travels with the turn's next save (a later call's ``started`` save, the
@@ -480,7 +480,7 @@ class DurableRun:
         ]
         cont = continuation if continuation is not None else self._with_prepared(self._cont)
         await self._ctx.pause(Pause(reason=reason, pending=pending, continuation=cont, approvers=deciders or []))
-        points.reach(points.AFTER_PAUSE)
+        self._ctx.reached(points.AFTER_PAUSE)
         raise _Left
 
     def _approval_group(self, group: list[Waiting]) -> tuple[list[Waiting], list[str] | None]:

@@ -2,8 +2,8 @@
 
 An executor continues ONE claimed run. Everything it may do to the run goes through its ``RunContext``:
 save progress, pause, complete, fail (and finish an ending), load its session's history, and give a tool
-what a tool may use (``tool_env``). The context holds the store privately, bound to the run's stored
-scope: an executor never sees the database. Each write is checked against the run's lease by the
+what a tool may use (``tool_env``). The context holds the engine privately and applies every change at the
+run's stored scope: an executor never sees the database. Each write is checked against the run's lease by the
 database; once a write finds the lease gone (or the lease keeper does), the context is dead: every later
 write raises RunLeaseLost without touching the database, and the run's task is cancelled. A worker that
 lost a run writes nothing more for it.
@@ -21,15 +21,15 @@ import asyncio
 from dataclasses import dataclass, replace
 from typing import NoReturn, Protocol
 
-from intermission.agent.tools import ToolEnv
+from intermission.agent.tools import Ledger, ToolEnv
+from intermission.engine.core import Engine
+from intermission.engine.runs import EndingRequested, EndRun, Pause, Paused, PauseRun, ReadSession, SaveProgress
 from intermission.schemas.errors import RunLeaseLost
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.llm import Message
 from intermission.schemas.run import Ending, EndingKind, Lease, Run
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, Progress, ProgressResult
-from intermission.store import Stores
-from intermission.store.runs import EndingRequested, Pause, Paused
 from intermission.tracing import current_traceparent, open_span
 
 # The most session messages a run loads unless the fleet says otherwise (Settings.session_history_messages).
@@ -75,12 +75,19 @@ class RunHandle:
     ending: Ending | None = None
 
 
+class _NoLedger:
+    """The ledger of a context given none: a tool that books a charge cannot run there."""
+
+    async def charge(self, run_id: str, call_id: str, amount: object) -> int:
+        raise RuntimeError("this run context was given no ledger to book charges in")
+
+
 class RunContext:
     __slots__ = (
+        "_engine",
         "_history_limit",
         "_ledger",
         "_stopping",
-        "_store",
         "correlation_id",
         "handle",
         "lease",
@@ -90,7 +97,7 @@ class RunContext:
 
     def __init__(
         self,
-        stores: Stores,
+        engine: Engine,
         run: Run,
         progress: Progress,
         lease: Lease,
@@ -99,11 +106,14 @@ class RunContext:
         stopping: asyncio.Event,
         handle: RunHandle | None = None,
         history_limit: int = DEFAULT_HISTORY_MESSAGES,
+        ledger: Ledger | None = None,
     ) -> None:
-        # Every write after the claim uses the run's STORED scope, never the caller's.
-        self._store = stores.at(run.scope)
-        # The demo ledger books a tool's charges under the run's stored scope too.
-        self._ledger = self._store.ledger
+        # Every change after the claim is applied at the run's STORED scope (``run.scope``), never the
+        # caller's.
+        self._engine = engine
+        # The demo ledger books a tool's charges under the run's stored scope too (the fleet gives the one
+        # bound to it).
+        self._ledger: Ledger = ledger if ledger is not None else _NoLedger()
         self.run = run
         self.progress = progress
         self.lease = lease
@@ -140,7 +150,7 @@ class RunContext:
         still saved first) and this raises EndedOnRequest."""
         self._alive()
         try:
-            saved = await self._store.progress.save_progress(progress)
+            saved = await self._engine.apply(SaveProgress(self.scope, progress))
         except RunLeaseLost:
             self.handle.lost = True
             raise
@@ -170,9 +180,7 @@ class RunContext:
             with open_span("run.pause", attributes={"intermission.pause.reason": pause.reason.value}):
                 # The pause remembers the span it is made in: the resume that answers it links to it, and the
                 # run's trace goes on from it, whichever worker that is (intermission/tracing.py).
-                paused = await self._store.runs.pause_run(
-                    self.run.id, self.owner, _traced(pause), correlation_id=self.correlation_id
-                )
+                paused = await self._engine.apply(PauseRun(self.run, self.owner, _traced(pause), self.correlation_id))
         except RunLeaseLost:
             self.handle.lost = True
             raise
@@ -198,17 +206,21 @@ class RunContext:
         self._alive()
         self.handle.leaving = True
         try:
-            event = await self._store.runs.end_run(
-                self.run.id,
-                self.owner,
-                kind,
-                output=output,
-                error=error,
-                correlation_id=self.correlation_id,
-                own_messages=own_messages,
-                counts=continuation or self.progress.continuation,
-                # The run's span is current: its end event goes out in the run's trace.
-                traceparent=current_traceparent(),
+            event = await self._engine.apply(
+                EndRun(
+                    self.scope,
+                    self.run.id,
+                    self.owner,
+                    self.run.revision,
+                    kind,
+                    output=output,
+                    error=error,
+                    correlation_id=self.correlation_id,
+                    own_messages=own_messages,
+                    counts=continuation or self.progress.continuation,
+                    # The run's span is current: its end event goes out in the run's trace.
+                    traceparent=current_traceparent(),
+                )
             )
         except RunLeaseLost:
             self.handle.lost = True
@@ -248,7 +260,11 @@ class RunContext:
         ``INTERMISSION_SESSION_HISTORY_MESSAGES``), oldest first, never opening on a tool result whose call
         was cut off: a run's snapshot holds its history, so the history it loads is bounded."""
         limit = self._history_limit if most is None else max(1, min(most, self._history_limit))
-        return await self._store.sessions.load(session_id, most=limit)
+        return await self._engine.apply(ReadSession(self.scope, session_id, limit))
+
+    def reached(self, point: str) -> None:
+        """The run passed the named crash point (``intermission/points.py``), for the engine's observer."""
+        self._engine.observer.reached(point)
 
     def tool_env(self, call_id: str) -> ToolEnv:
         """What a tool handler of this run may use for the call ``call_id``."""

@@ -11,8 +11,8 @@ In a fresh database (and, for the sweeper, a fresh RabbitMQ virtual host), remov
    at a time:
    - ``claim``: the product's pinned leased claim with its first snapshot,
      ``SuspensionStore.claim_suspension_leased`` (one transaction);
-   - ``resume``: the whole ``run.resume`` command transaction, ``CommandStore.resume`` with an inbox
-     receipt (inbox record, checks, claim, removal of the pause, outbox event).
+   - ``resume``: the whole ``run.resume`` command, the engine's ``Resume`` operation with an inbox
+     receipt (its read; inbox record, checks, claim, removal of the pause, outbox event).
 2. At the largest size, ``--expired`` more paused runs whose deadlines have passed are loaded, the claims
    are timed again (the baseline), and then once more while an expiry sweeper
    (``python -m intermission.ops.cli sweeper``, a process of its own, configured by the environment as in production)
@@ -73,6 +73,8 @@ from bench.infra import (
     write_results,
 )
 from bench.resume import declare_topology
+from intermission.engine.commands import Resume
+from intermission.engine.core import Engine
 from intermission.schemas.commands import ResumeCommand, ToolAnswer
 from intermission.schemas.config import ExecutionProvenance, RunConfig
 from intermission.schemas.llm import Message, Role, ToolCall, Usage
@@ -84,6 +86,7 @@ from intermission.store import Stores
 from intermission.store.inbox import Receipt
 from intermission.store.rows import PENDING, SCRIPT
 from intermission.wire import COMMAND_QUEUES, Command
+from tests.support.factories import writes
 
 APP = "bench"
 TENANTS = 16
@@ -208,6 +211,8 @@ async def time_claims(
     began, in the same order."""
     starts: dict[str, list[float]] = began_at if began_at is not None else {"claim": [], "resume": []}
     ids = await suspension_ids(con, numbers)
+    # One engine for every claim and resume: one at a time, so each is a statement (a batch) of its own.
+    engine = Engine.over(stores, lease=LEASE)
     timings: dict[str, list[float]] = {"claim": [], "resume": []}
     for i, n in enumerate(numbers):
         if until is not None and until.done():
@@ -222,7 +227,7 @@ async def time_claims(
             )
             starts["claim"].append(time.time())
             started = time.perf_counter()
-            await stores.at(scope).suspensions.claim_suspension_leased(claim)
+            await writes(stores, scope, engine).suspensions.claim_suspension_leased(claim)
             timings["claim"].append(time.perf_counter() - started)
         else:
             command = ResumeCommand(
@@ -232,7 +237,7 @@ async def time_claims(
             receipt = Receipt.of(message_id, "run.resume", command)
             starts["resume"].append(time.time())
             started = time.perf_counter()
-            await stores.commands.resume(command, LEASE, receipt=receipt, correlation_id=message_id)
+            await engine.apply(Resume(command, receipt=receipt, correlation_id=message_id))
             timings["resume"].append(time.perf_counter() - started)
     return timings
 

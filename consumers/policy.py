@@ -32,8 +32,9 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from aio_pika.abc import AbstractIncomingMessage
 from aiormq.exceptions import ChannelInvalidStateError
@@ -48,14 +49,16 @@ from tenacity import (
 from tenacity.stop import stop_base
 
 from intermission import points
-from intermission.consumers.batching import Acknowledgements
-from intermission.consumers.command_spans import BatchSpans, command_span, note_claimed, observed
-from intermission.consumers.handlers import CommandHandlers, StaleExpiry
+from intermission.consumers.acks import Acknowledgements
+from intermission.consumers.command_spans import command_span, note_claimed
+from intermission.consumers.handlers import CommandHandlers
 from intermission.consumers.parsing import MAX_REPLY_BODY_BYTES, Delivery, check_body_limits, check_envelope
 from intermission.consumers.rejection import Rejecter
+from intermission.engine.commands import Claimed, StaleExpiry
+from intermission.engine.observer import CRASH_POINTS, Observer
+from intermission.engine.transition import Applicable
 from intermission.publishers.amqp import TRANSIENT_AMQP_ERRORS, backoff
 from intermission.schemas.errors import PermanentError, StoreContention, TransientError
-from intermission.store.commands import AnswerRequest, Claimed
 from intermission.store.inbox import AlreadyApplied
 from intermission.wire import Command
 
@@ -139,43 +142,50 @@ class ChannelGone(stop_base):
             return True
 
 
+class ClaimedRuns(Protocol):
+    """Where a run a command claimed for this worker goes to run (the fleet)."""
+
+    def submit(self, claimed: Claimed) -> object: ...
+
+
 class AckPolicy:
     def __init__(
         self,
         handlers: CommandHandlers,
         rejecter: Rejecter,
-        on_claimed: Callable[[Claimed], None],
+        runs: ClaimedRuns,
         *,
         retry_seconds: float = 180.0,
         max_backoff_seconds: float = 5.0,
         limits: CommandLimits | None = None,
-        after_commit: Callable[[], None] = lambda: None,
-        observe: Callable[[Command, str, str], None] = lambda command, outcome, code: None,
+        observer: Observer = CRASH_POINTS,
         acks: Acknowledgements | None = None,
     ) -> None:
         self.handlers = handlers
         self.rejecter = rejecter
-        self.on_claimed = on_claimed
+        self.runs = runs
         self.retry_seconds = retry_seconds
         self.max_backoff_seconds = max_backoff_seconds
         self.limits = limits or CommandLimits()
         self.availability = Availability()
-        # Between the commit and the acknowledgement: the crash tests kill a worker here.
-        self.after_commit = after_commit
-        # (command, outcome, error code) of every delivery handled: the worker counts them for metrics, and
-        # the command's span records it.
-        self.observe = observed(observe)
-        # Which deliveries are unsettled, so that a batch's acknowledgements go as one where they can.
+        # Sees every delivery's outcome (metrics count it; the command's span records it) and the crash
+        # point between a commit and its acknowledgement, where the crash tests kill a worker.
+        self.observer = observer
+        # Acknowledgements requested together go as one frame where they can (group commit resolves a
+        # batch's commands at once).
         self.acks = acks or Acknowledgements()
 
-    async def _apply(self, command: Command, delivery: Delivery, message_id: str) -> Claimed | None:
+    def observe(self, command: Command, outcome: str, code: str) -> None:
+        self.observer.settled(command.value, outcome, code)
+
+    async def _apply(self, command: Command, operation: Applicable[Claimed | None], message_id: str) -> Claimed | None:
         """The command's transaction, retried with backoff on transient errors until ``retry_seconds`` have
         passed. The first attempt runs without the retry machinery: it almost always succeeds, and building
         tenacity's state for every message costs more than the attempt's own Python work."""
         if not self.availability.is_clear:
             await self.availability.wait_clear(self.retry_seconds)
         try:
-            return await self.handlers.apply(command, delivery, message_id)
+            return await self.handlers.apply(command, operation)
         except TransientError as exc:
             if self.retry_seconds <= 0:
                 raise
@@ -190,11 +200,11 @@ class AckPolicy:
                     # Full jitter, doubling from 0.1 s, capped: a database that is back is noticed within the cap.
                     wait=wait_random_exponential(multiplier=0.1, max=self.max_backoff_seconds),
                     stop=stop_after_delay(self.retry_seconds),
-                    before_sleep=lambda state: self._waiting(state, delivery),
+                    before_sleep=lambda state: self._waiting(state, message_id),
                     reraise=True,
                 ):
                     with attempt:
-                        claimed = await self.handlers.apply(command, delivery, message_id)
+                        claimed = await self.handlers.apply(command, operation)
             except TransientError:
                 raise
             except BaseException:
@@ -204,14 +214,14 @@ class AckPolicy:
             return claimed
 
     @staticmethod
-    def _waiting(state: RetryCallState, delivery: Delivery) -> None:
+    def _waiting(state: RetryCallState, message_id: str) -> None:
         if state.attempt_number in (1, 10) or state.attempt_number % 50 == 0:
             failure = state.outcome.exception() if state.outcome is not None else None
             log.warning(
                 "the database is unavailable; holding the command and retrying",
                 extra={
                     "action": "command_held",
-                    "message_id": delivery.message_id,
+                    "message_id": message_id,
                     "attempt": state.attempt_number,
                     "held_seconds": round(state.seconds_since_start or 0.0, 1),
                     "error": getattr(failure, "code", type(failure).__name__),
@@ -263,21 +273,20 @@ class AckPolicy:
         try:
             message_id = check_envelope(delivery)
             check_body_limits(delivery.body, self.limits.body_bytes(command))
-            claimed = await self._apply(command, delivery, message_id)
+            # Parsed once: the body, its scope against its key, its receipt.
+            operation = self.handlers.operation(command, delivery, message_id)
+            claimed = await self._apply(command, operation, message_id)
         except Exception as failed:
             await self._settle_failed(message, command, delivery, failed)
             return
-        self.after_commit()
+        self.observer.reached(points.AFTER_COMMIT)
         # The effect is committed. If the acknowledgement is lost, the redelivery is a duplicate.
         with contextlib.suppress(Exception):
-            await message.ack()
-        self._applied(command, claimed)
-
-    def _applied(self, command: Command, claimed: Claimed | None) -> None:
+            await self.acks.ack(message)
         self.observe(command, "applied", "")
         if claimed is not None:
             note_claimed(claimed)
-            self.on_claimed(claimed)
+            self.runs.submit(claimed)
 
     async def _settle_failed(
         self, message: AbstractIncomingMessage, command: Command, delivery: Delivery, failed: Exception
@@ -318,7 +327,7 @@ class AckPolicy:
             "command rejected",
             extra={"action": "command_rejected", "code": error.code, "detail": error.detail, **extra},
         )
-        points.reach(points.REFUSING)
+        self.observer.reached(points.REFUSING)
         try:
             await self._refuse(message, delivery, error)
         except TRANSIENT_AMQP_ERRORS as away:
@@ -333,87 +342,6 @@ class AckPolicy:
             return
         await message.ack()
         self.observe(command, "rejected", error.code)
-
-    async def process_batch(self, batch: Sequence[tuple[AbstractIncomingMessage, Command]]) -> None:
-        """Settle several deliveries of BATCHED commands together (group commit): their transitions run as
-        one read and one claim statement (``CommandHandlers.answer_batch``), the applied ones are
-        acknowledged together after that one commit, and each other outcome is settled as ``process``
-        settles it. A batch that fails as a whole (the database away, a statement error) is nobody's
-        refusal: each of its commands then goes through ``process`` alone, with the retry window, the
-        hold and the refusal that a single command gets there. Every delivery is settled."""
-        if len(batch) == 1 or not self.availability.is_clear:
-            await asyncio.gather(*(self.process(message, command) for message, command in batch))
-            return
-        spans = BatchSpans()
-        try:
-            await self._settle_batch(batch, spans)
-        except Exception:
-            log.exception("could not settle a batch of commands", extra={"action": "batch_failed"})
-            for message, command in batch:
-                if not self.acks.is_acked(message):
-                    with contextlib.suppress(Exception):
-                        await message.reject(requeue=False)
-                    with spans.current(message):
-                        self.observe(command, "dead_lettered", "unsettled")
-        finally:
-            spans.end()
-
-    async def _settle_batch(self, batch: Sequence[tuple[AbstractIncomingMessage, Command]], spans: BatchSpans) -> None:
-        prepared: list[tuple[AbstractIncomingMessage, Command, Delivery, AnswerRequest]] = []
-        alone: list[tuple[AbstractIncomingMessage, Command, Delivery, Exception]] = []
-        for message, command in batch:
-            spans.start(message, command)
-            delivery = delivery_of(message, command)
-            _note_redelivery(message, delivery)
-            try:
-                message_id = check_envelope(delivery)
-                check_body_limits(delivery.body, self.limits.body_bytes(command))
-                prepared.append((message, command, delivery, self.handlers.prepare(command, delivery, message_id)))
-            except Exception as refused:
-                alone.append((message, command, delivery, refused))
-        outcomes: list[Claimed | Exception] = []
-        if prepared:
-            try:
-                with spans.transaction(len(prepared)):
-                    outcomes = await self.handlers.answer_batch(
-                        [(command, request) for _, command, _, request in prepared]
-                    )
-            except Exception:
-                # Nothing of the batch committed; each command goes on alone, with the retry window (and a
-                # span of its own, so their batch spans end here).
-                spans.end([message for message, _, _, _ in prepared])
-                await asyncio.gather(
-                    *(self.process(message, command) for message, command, _, _ in prepared),
-                    *(
-                        spans.within(message, self._settle_failed(message, command, delivery, failed))
-                        for message, command, delivery, failed in alone
-                    ),
-                )
-                return
-            points.reach(points.AFTER_BATCH_COMMIT)
-            self.after_commit()
-        applied = [
-            (message, command, outcome)
-            for (message, command, _, _), outcome in zip(prepared, outcomes, strict=True)
-            if not isinstance(outcome, Exception)
-        ]
-        # The effects are committed. If the acknowledgement is lost, each redelivery is a duplicate.
-        with contextlib.suppress(Exception):
-            await self.acks.ack_all([message for message, _, _ in applied])
-        for message, command, claimed in applied:
-            with spans.current(message):
-                self._applied(command, claimed)
-        failed = [
-            (message, command, delivery, outcome)
-            for (message, command, delivery, _), outcome in zip(prepared, outcomes, strict=True)
-            if isinstance(outcome, Exception)
-        ]
-        await asyncio.gather(
-            *(
-                spans.within(message, self._settle_failed(message, command, delivery, error))
-                for message, command, delivery, error in [*alone, *failed]
-            )
-        )
 
 
 def _note_redelivery(message: AbstractIncomingMessage, delivery: Delivery) -> None:

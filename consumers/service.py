@@ -1,18 +1,14 @@
-"""Consuming the six command queues, with the commands in flight bounded for the whole worker, and
-stopping gracefully.
+"""Consuming the six command queues, and stopping gracefully.
 
 The queues and exchanges come declared (``intermission/wire.py``) on a robust channel, so aio-pika restores
-the consumers after a reconnect. Prefetch is per consumer (RabbitMQ's quorum queues do not implement a
-channel-wide prefetch), so six consumers could otherwise run six times the prefetch at once against a pool
-of a few connections. ``in_flight_limit`` bounds the commands whose transactions run at once across all
-six; deliveries beyond it wait in this process, unacknowledged, without holding a database connection.
+the consumers after a reconnect. Each delivery goes through the ack policy on its own; the commands that
+arrive together still share their statements, because every transition goes through the engine's one
+group-commit scheduler (``engine/committer.py``), which also bounds the statements in flight at once
+(``INTERMISSION_COMMANDS_IN_FLIGHT``): deliveries beyond it wait in this process, unacknowledged, without
+holding a database connection.
 
-The commands that answer a pause (resume, decide, expire) go through ``CommandBatches`` instead: those that
-arrive together are applied in one transaction (group commit, ``consumers/batching.py``), each batch
-holding one of the same slots.
-
-A command that may start or resume a run (every one but a cancel) is first admitted by ``admit``, the
-fleet's cap on runs in flight (``Fleet.admitting``): past the cap it waits here, unacknowledged.
+A command that may start or resume a run (every one but a cancel) is first admitted by ``places``, the
+fleet's cap on runs in flight (``Fleet.admission``): past the cap it waits here, unacknowledged.
 """
 
 from __future__ import annotations
@@ -22,11 +18,10 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
+from typing import Protocol
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
-from intermission.consumers.batching import CommandBatches
-from intermission.consumers.handlers import BATCHED
 from intermission.consumers.policy import AckPolicy
 from intermission.wire import Command
 
@@ -36,27 +31,19 @@ log = logging.getLogger("intermission.consumers")
 RUN_CAUSING: frozenset[Command] = frozenset(Command) - {Command.CANCEL}
 
 
+class Places(Protocol):
+    """The fleet's places for runs: a command that may start or resume one holds a place while applied."""
+
+    def place(self, key: str) -> AbstractAsyncContextManager[None]: ...
+
+
 class CommandConsumers:
     def __init__(
-        self,
-        policy: AckPolicy,
-        queues: Mapping[Command, AbstractQueue],
-        *,
-        in_flight_limit: int = 8,
-        batch_size: int = 32,
-        batches_in_flight: int = 2,
-        admit: Callable[[str], AbstractAsyncContextManager[None]] | None = None,
+        self, policy: AckPolicy, queues: Mapping[Command, AbstractQueue], *, places: Places | None = None
     ) -> None:
         self.policy = policy
-        self._admit = admit
+        self._places = places
         self.queues = dict(queues)
-        self._slots = asyncio.Semaphore(in_flight_limit)
-        # batch_size 1: every command alone, as before group commit.
-        self.batches = (
-            CommandBatches(policy.process_batch, max_size=batch_size, max_batches=batches_in_flight, slots=self._slots)
-            if batch_size > 1
-            else None
-        )
         self._tags: dict[Command, str] = {}
         self._in_flight: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
@@ -77,16 +64,12 @@ class CommandConsumers:
                 # Waiting past the cap is served a scope at a time, by the routing key (which names the
                 # scope): it orders the waiting and authorises nothing.
                 admitted = (
-                    self._admit(message.routing_key or "")
-                    if self._admit is not None and command in RUN_CAUSING
+                    self._places.place(message.routing_key or "")
+                    if self._places is not None and command in RUN_CAUSING
                     else None
                 )
                 async with admitted if admitted is not None else contextlib.nullcontext():
-                    if self.batches is not None and command in BATCHED:
-                        await self.batches.submit(message, command)
-                    else:
-                        async with self._slots:
-                            await self.policy.process(message, command)
+                    await self.policy.process(message, command)
             finally:
                 self.policy.acks.settled(message)
                 self._in_flight.discard(task)
@@ -117,7 +100,5 @@ class CommandConsumers:
         try:
             await asyncio.wait_for(self._idle.wait(), grace)
         except TimeoutError:
-            if self.batches is not None:
-                self.batches.cancel()
             for task in list(self._in_flight):
                 task.cancel()

@@ -16,6 +16,10 @@ What a renewal tells each run:
   line reconnects at the next tick, and each run whose lease may have lapsed by this process's own clock
   is given up the same way, because another worker may already hold it.
 
+The keeper renews through a ``LeaseLine``: on a worker, ``store/leases.py``'s, one connection of its own; in
+the fast tier of tests, the in-memory committer's (``engine/memory.py``), over the same tables the engine
+writes. Either satisfies the protocol below by its shape alone, so neither imports the fleet.
+
 The keeper's loop runs under the process's supervisor (``fleet/supervisor.py``) from the first run it holds
 until the fleet stops; a tick that finds no run closes its connection, so an idle worker holds none for it.
 A bug in the loop gives every held run up at once (a keeper that died quietly would let their leases lapse
@@ -28,18 +32,33 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from intermission.fleet.supervisor import Supervisor
 from intermission.schemas.errors import IntermissionError
 from intermission.schemas.run import Ending
 from intermission.schemas.scope import Scope
-from intermission.store.leases import HeldRun, LeaseLine
+from intermission.store.leases import HeldRun, Renewed
 
 log = logging.getLogger("intermission.lease")
 
 LEASE_TASK = "lease-keeper"
+
+
+class LeaseLine(Protocol):
+    """What the keeper renews through (``store.leases.LeaseLine`` over PostgreSQL)."""
+
+    async def renew(self, owner: str, ttl_seconds: float, held: Sequence[HeldRun]) -> dict[HeldRun, Renewed]:
+        """Renew ``owner``'s lease on each run of ``held`` by the store's clock (now + ttl); the runs still
+        held, by their key. A run missing from the answer is no longer held by ``owner``. An
+        ``IntermissionError`` (StoreUnavailable) when the renewal itself failed: nothing is known then."""
+        ...
+
+    async def close(self) -> None:
+        """Let go of what the line holds while idle (a connection); the next renewal takes it again."""
+        ...
 
 
 @dataclass(eq=False)

@@ -8,23 +8,23 @@ bounded sets (command names, outcomes, error codes), never run ids or scopes.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from intermission.consumers.handlers import CommandHandlers, WorkerHooks
-from intermission.consumers.parsing import Delivery
+from intermission.engine.observer import Quiet
+from intermission.engine.transition import Family
 from intermission.schemas.suspension import SuspendReason
-from intermission.store import Stores
 from intermission.store.across_scopes import PAUSE_AGES, OutboxLag, PauseFigures
-from intermission.store.commands import AnswerRequest, Claimed
-from intermission.wire import Command
 
 if TYPE_CHECKING:
     from intermission.publishers.relay import OutboxRelay
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class _RelayCollector:
@@ -55,178 +55,168 @@ class _RelayCollector:
             )
 
 
-class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+class _ProcessMetrics:
+    """What the metrics of every process share: the registry each metric is registered on as it is made, and
+    the restarts of the process's background tasks."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
         self.registry = registry or CollectorRegistry()
-        self.commands = Counter(
+
+    def _counter(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Counter:
+        return Counter(name, documentation, labels, registry=self.registry)
+
+    def _gauge(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Gauge:
+        return Gauge(name, documentation, labels, registry=self.registry)
+
+    def _histogram(self, name: str, documentation: str, labels: Sequence[str], buckets: Sequence[float]) -> Histogram:
+        return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+
+    def _task_restarts(self, tasks: str) -> Counter:
+        """One metric in every process, by task; ``tasks`` names the tasks this process runs."""
+        return self._counter(
+            "intermission_task_restarts_total",
+            f"Background tasks ({tasks}) restarted after an unexpected error.",
+            ["task"],
+        )
+
+
+class WorkerMetrics(_ProcessMetrics, Quiet):
+    """What a worker reports, as an observer of its engine (``engine/observer.py``): each command's outcome
+    and transaction time, each statement the committer ran, and the fleet's own figures."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
+        self.commands = self._counter(
             "intermission_commands_total",
             "Commands handled, by command, outcome (applied, duplicate, stale, rejected, requeued, dead_lettered)"
             " and code.",
             ["command", "outcome", "code"],
-            registry=self.registry,
         )
-        self.runs_left = Counter(
+        self.runs_left = self._counter(
             "intermission_runs_left_total",
             "Runs that left this worker, by how (paused, ended, released, lease_lost, interrupted, failed).",
             ["how"],
-            registry=self.registry,
         )
-        self.reclaimed = Counter(
-            "intermission_runs_reclaimed_total",
-            "Runs this worker took over after their lease lapsed.",
-            registry=self.registry,
+        self.reclaimed = self._counter(
+            "intermission_runs_reclaimed_total", "Runs this worker took over after their lease lapsed."
         )
-        self.quarantined = Counter(
+        self.quarantined = self._counter(
             "intermission_runs_quarantined_total",
             "Runs taken over that could not be continued (a row that does not decode) and were ended failed.",
-            registry=self.registry,
         )
-        self.task_restarts = Counter(
-            "intermission_task_restarts_total",
-            "Background tasks (relay, reclaim sweep, lease keeper, sweeper) restarted after an unexpected error.",
-            ["task"],
-            registry=self.registry,
-        )
-        self.running = Gauge("intermission_runs_running", "Runs executing in this worker now.", registry=self.registry)
-        self.command_seconds = Histogram(
+        self.task_restarts = self._task_restarts("relay, reclaim sweep, lease keeper, sweeper")
+        self.running = self._gauge("intermission_runs_running", "Runs executing in this worker now.")
+        self.command_seconds = self._histogram(
             "intermission_command_transaction_seconds",
             "How long one command's transaction took in this worker (its claim, start, cancel, reply: the read,"
-            " the transition and the commit), by command; `batch` for a group commit of resumes, decisions and"
-            " expiries, observed once per batch. Retried attempts are observed each.",
+            " the transition and the commit, waiting for the batch it went in included), by command. Retried"
+            " attempts are observed each.",
             ["command"],
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
-            registry=self.registry,
+            _SECONDS,
         )
-        self.lease_takeovers = Counter(
+        self.commit_seconds = self._histogram(
+            "intermission_commit_seconds",
+            "How long one statement of the engine's committer took (every transition that waited with it went"
+            " in it), by transition.",
+            ["transition"],
+            _SECONDS,
+        )
+        self.commit_size = self._histogram(
+            "intermission_commit_transitions",
+            "How many transitions one statement of the engine's committer carried, by transition.",
+            ["transition"],
+            (1, 2, 4, 8, 16, 32, 64, 128),
+        )
+        self.lease_takeovers = self._counter(
             "intermission_lease_takeovers_total",
             "Running runs whose lapsed lease this worker's reclaim sweep took over (continued or quarantined).",
-            registry=self.registry,
         )
-        self.lease_lost_writes = Counter(
+        self.lease_lost_writes = self._counter(
             "intermission_lease_lost_writes_total",
             "Writes of a run (a progress save, a pause, an end) the database refused because this worker's lease"
             " on it was lost: another worker took the run over.",
-            registry=self.registry,
         )
 
     def watch_relay(self, relay: OutboxRelay) -> None:
         """Expose ``relay``'s refusals, quarantines and the quarantined rows' count."""
         self.registry.register(_RelayCollector(relay))
 
-    def command(self, command: Command, outcome: str, code: str) -> None:
-        self.commands.labels(command.value, outcome, code).inc()
+    # --- as the engine's observer ---------------------------------------------------------------------
 
+    def settled(self, command: str, outcome: str, code: str) -> None:
+        self.commands.labels(command, outcome, code).inc()
 
-class TimedHandlers(CommandHandlers):
-    """The worker's command handlers, each transaction timed into ``intermission_command_transaction_seconds``.
+    def applied(self, command: str, seconds: float) -> None:
+        self.command_seconds.labels(command).observe(seconds)
 
-    Timed here, around the handlers the ack policy calls, rather than inside the policy or the store: the
-    hot path itself stays as it is, and every attempt the policy makes (a retry after a transient error
-    too) is one observation."""
-
-    def __init__(self, stores: Stores, hooks: WorkerHooks, seconds: Histogram) -> None:
-        super().__init__(stores, hooks)
-        self._seconds = seconds
-
-    async def apply(self, command: Command, delivery: Delivery, message_id: str) -> Claimed | None:
+    @contextlib.contextmanager
+    def committing(self, family: Family, callers: Sequence[object]) -> Iterator[None]:
         started = time.perf_counter()
         try:
-            return await super().apply(command, delivery, message_id)
+            yield
         finally:
-            self._seconds.labels(command.value).observe(time.perf_counter() - started)
-
-    async def answer_batch(self, batch: list[tuple[Command, AnswerRequest]]) -> list[Claimed | Exception]:
-        started = time.perf_counter()
-        try:
-            return await super().answer_batch(batch)
-        finally:
-            self._seconds.labels("batch").observe(time.perf_counter() - started)
+            self.commit_seconds.labels(family.name).observe(time.perf_counter() - started)
+            self.commit_size.labels(family.name).observe(len(callers))
 
 
-class SweeperMetrics:
+class SweeperMetrics(_ProcessMetrics):
     """What a sweeper process reports: its pruning, the storage it keeps bounded, and the dead letters."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        self.pruned = Counter(
-            "intermission_rows_pruned_total",
-            "Rows removed by retention pruning in this process, by table.",
-            ["table"],
-            registry=self.registry,
+        super().__init__(registry)
+        self.pruned = self._counter(
+            "intermission_rows_pruned_total", "Rows removed by retention pruning in this process, by table.", ["table"]
         )
-        self.table_bytes = Gauge(
+        self.table_bytes = self._gauge(
             "intermission_table_bytes",
             "Size on disk of each of Intermission's tables with its indexes and TOAST.",
             ["table"],
-            registry=self.registry,
         )
-        self.table_rows = Gauge(
-            "intermission_table_rows",
-            "Live rows of each table (PostgreSQL's statistics' estimate).",
-            ["table"],
-            registry=self.registry,
+        self.table_rows = self._gauge(
+            "intermission_table_rows", "Live rows of each table (PostgreSQL's statistics' estimate).", ["table"]
         )
-        self.oldest_ended_run = Gauge(
+        self.oldest_ended_run = self._gauge(
             "intermission_oldest_ended_run_seconds",
             "How long ago the oldest ended run still kept ended: above INTERMISSION_RETENTION_SECONDS (plus"
             " a prune interval), pruning is falling behind.",
-            registry=self.registry,
         )
-        self.idempotency_window = Gauge(
+        self.idempotency_window = self._gauge(
             "intermission_idempotency_window_seconds",
             "The idempotency window (INTERMISSION_INBOX_RETENTION_SECONDS): a command re-sent after it is a new"
             " command.",
-            registry=self.registry,
         )
-        self.oldest_inbox = Gauge(
-            "intermission_inbox_oldest_seconds",
-            "Age of the oldest inbox record: the idempotency window as it is kept.",
-            registry=self.registry,
+        self.oldest_inbox = self._gauge(
+            "intermission_inbox_oldest_seconds", "Age of the oldest inbox record: the idempotency window as it is kept."
         )
-        self.dead_letters = Gauge(
-            "intermission_dead_letters",
-            "Messages in intermission.dead.",
-            registry=self.registry,
-        )
-        self.dead_letter_age = Gauge(
+        self.dead_letters = self._gauge("intermission_dead_letters", "Messages in intermission.dead.")
+        self.dead_letter_age = self._gauge(
             "intermission_dead_letter_oldest_seconds",
             "Age of the oldest message in intermission.dead (0 when it is empty).",
-            registry=self.registry,
         )
-        self.task_restarts = Counter(
-            "intermission_task_restarts_total",
-            "Background tasks (sweeper, pruner) restarted after an unexpected error.",
-            ["task"],
-            registry=self.registry,
-        )
-        self.pauses_open = Gauge(
+        self.task_restarts = self._task_restarts("sweeper, pruner")
+        self.pauses_open = self._gauge(
             "intermission_pauses_open",
             "Live pauses of paused runs, fleet-wide, by reason and by how long they have been open (under_1m,"
             " 1m_to_1h, 1h_to_1d, 1d_to_7d, over_7d).",
             ["reason", "age"],
-            registry=self.registry,
         )
-        self.earliest_deadline = Gauge(
+        self.earliest_deadline = self._gauge(
             "intermission_pause_earliest_deadline_timestamp_seconds",
             "When the earliest deadline of a live pause falls (Unix time; 0 when no live pause has one).",
-            registry=self.registry,
         )
-        self.sweeper_lag = Gauge(
+        self.sweeper_lag = self._gauge(
             "intermission_sweeper_lag_seconds",
             "How long ago the oldest pause whose deadline passed, and whose run is still paused, should have"
             " expired: 0 when none waits; above INTERMISSION_SWEEP_INTERVAL_SECONDS (plus a claim), the sweepers"
             " or the expire consumers are behind.",
-            registry=self.registry,
         )
-        self.outbox_pending = Gauge(
+        self.outbox_pending = self._gauge(
             "intermission_outbox_pending_rows",
             "Outbox rows the relays have yet to publish, fleet-wide (quarantined ones are not among them).",
-            registry=self.registry,
         )
-        self.outbox_oldest = Gauge(
+        self.outbox_oldest = self._gauge(
             "intermission_outbox_oldest_pending_seconds",
             "How long ago the oldest outbox row the relays have yet to publish was written (0 when none waits).",
-            registry=self.registry,
         )
 
     def report_pauses(self, figures: PauseFigures) -> None:

@@ -16,6 +16,11 @@ over, so the cap holds against concurrent consumers and group commits alike.
 Stopping: ``stop()`` stops taking work, lets each run reach its next boundary (where it releases its
 lease, so another worker continues at once) for up to the grace period, then cancels what is left.
 ``drain()`` returns when nothing is left to do, which is what tests and one-shot tools want.
+
+What the fleet uses beside its engine is a ``FleetStore``: the lease keeper's line, the demo ledger a run's
+tools book charges in, and the count of running runs a drain waits on. A worker's is ``DatabaseFleetStore``
+(PostgreSQL, ``store/``); the fast tier of tests gives ``engine/memory.py``'s ``InMemoryFleetStore`` and an
+engine over the same in-memory committer. Every other read (a takeover's) goes through the engine.
 """
 
 from __future__ import annotations
@@ -24,11 +29,20 @@ import asyncio
 import contextlib
 import logging
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Protocol
 
 from intermission.agent.executor import EndedOnRequest, Executor, RunContext, RunHandle, StopAtBoundary
+from intermission.agent.tools import Ledger
+from intermission.engine.claims import ReadForCommand
+from intermission.engine.commands import Claimed
+from intermission.engine.core import Engine
+from intermission.engine.holding import Reclaimed, ReclaimLapsed, ReleaseLease, Unreadable
+from intermission.engine.replies import ReadEvidence, StartResume
+from intermission.engine.runs import EndRun
 from intermission.fleet.admission import Admission
 from intermission.fleet.identity import incarnation
-from intermission.fleet.lease import LeaseKeeper
+from intermission.fleet.lease import LeaseKeeper, LeaseLine
 from intermission.fleet.metrics import WorkerMetrics
 from intermission.fleet.run_spans import continuing
 from intermission.fleet.settings import Settings
@@ -37,7 +51,6 @@ from intermission.schemas.errors import (
     IntermissionError,
     InvalidContinuation,
     PermanentError,
-    ResumeAdmissionNotFound,
     RunLeaseLost,
     SuspensionExpired,
     TransientError,
@@ -46,11 +59,7 @@ from intermission.schemas.events import RunEventKind
 from intermission.schemas.run import Lease, Run
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, Ending, EndingKind, Progress
-from intermission.store import Stores
-from intermission.store.across_scopes import Unreadable
-from intermission.store.commands import Claimed
-from intermission.store.leases import LeaseLine
-from intermission.store.runs import Reclaimed
+from intermission.store import Stores, leases
 from intermission.tracing import annotate, failed
 
 log = logging.getLogger("intermission.fleet")
@@ -58,23 +67,73 @@ log = logging.getLogger("intermission.fleet")
 RECLAIM_TASK = "reclaim-sweep"
 
 
+class FleetStore(Protocol):
+    """What a fleet uses beside its engine: nothing here changes a run (that is the engine's), and each of
+    them is kept off the engine's batches on purpose."""
+
+    def lease_line(self, owner: str, *, timeout: float) -> LeaseLine:
+        """The lease keeper's line for ``owner``, each renewal bounded by ``timeout``."""
+        ...
+
+    def ledger(self, scope: Scope) -> Ledger:
+        """The demo ledger at ``scope``, where the tools of a run of that scope book their charges."""
+        ...
+
+    async def count_running(self) -> int:
+        """How many runs are running in any scope, whoever holds them (``drain(wait_for_lapsed=True)``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DatabaseFleetStore:
+    """A worker's ``FleetStore``: PostgreSQL, through ``stores``."""
+
+    stores: Stores
+
+    def lease_line(self, owner: str, *, timeout: float) -> leases.LeaseLine:
+        # A connection of its own, outside the pool (fleet/lease.py says why), named for the worker in
+        # pg_stat_activity.
+        return leases.LeaseLine(self.stores.db, timeout=timeout, application_name=f"intermission-leases {owner}")
+
+    def ledger(self, scope: Scope) -> Ledger:
+        return self.stores.at(scope).ledger
+
+    async def count_running(self) -> int:
+        return (await self.stores.across_scopes.count_running()).running
+
+
 class Fleet:
+    """``stores``: the worker's PostgreSQL stores (what the fleet uses beside its engine is then
+    ``DatabaseFleetStore``), or any other ``FleetStore``; ``engine``: what every change of a run is applied
+    through, under this worker's lease (one over ``stores`` when none is given, which only PostgreSQL can
+    give)."""
+
     def __init__(
         self,
-        stores: Stores,
+        stores: Stores | FleetStore,
         settings: Settings,
         executor: Executor,
         *,
+        engine: Engine | None = None,
         owner: str | None = None,
         metrics: WorkerMetrics | None = None,
         supervisor: Supervisor | None = None,
     ) -> None:
-        self.stores = stores
+        if isinstance(stores, Stores):
+            self.stores: Stores | None = stores
+            self.store: FleetStore = DatabaseFleetStore(stores)
+            engine = engine or Engine.over(stores)
+        elif engine is None:
+            raise TypeError("a fleet over anything but PostgreSQL's stores needs its engine, over the same store")
+        else:
+            self.stores = None
+            self.store = stores
         self.metrics = metrics or WorkerMetrics()
         self.metrics.running.set_function(lambda: len(self._tasks))
         self.settings = settings
         self.executor = executor
         self.owner = owner or incarnation()
+        self.engine = engine.under(lease=self.lease())
         # Each run's task, by the run's key: its scope and id (an id is unique only within its scope).
         self._tasks: dict[tuple[Scope, str], asyncio.Task[None]] = {}
         self.admission = Admission(settings.runs_in_flight, lambda: len(self._tasks))
@@ -86,9 +145,7 @@ class Fleet:
         # A statement that cannot renew within a tick is not worth waiting for: the next tick asks again,
         # and a run is given up only once its lease may have lapsed by this process's clock.
         self.keeper = LeaseKeeper(
-            LeaseLine(
-                stores.db, timeout=settings.lease_renew_seconds, application_name=f"intermission-leases {self.owner}"
-            ),
+            self.store.lease_line(self.owner, timeout=settings.lease_renew_seconds),
             self.owner,
             ttl_seconds=settings.lease_seconds,
             renew_every=settings.lease_renew_seconds,
@@ -166,7 +223,7 @@ class Fleet:
             progress = progress.model_copy(update={"ending": claimed.run.ending})
         lease = Lease(owner=claimed.run.lease_owner or self.owner, ttl_seconds=self.settings.lease_seconds)
         ctx = RunContext(
-            self.stores,
+            self.engine,
             claimed.run,
             progress,
             lease,
@@ -174,6 +231,7 @@ class Fleet:
             stopping=self._stopping,
             handle=handle,
             history_limit=self.settings.session_history_messages,
+            ledger=self.store.ledger(claimed.run.scope),
         )
         me = asyncio.current_task()
         assert me is not None
@@ -242,7 +300,7 @@ class Fleet:
         if ctx.handle.lost or ctx.handle.ended or ctx.handle.paused:
             return
         with contextlib.suppress(IntermissionError):
-            await self.stores.at(ctx.scope).runs.release_lease(ctx.run.id, ctx.owner)
+            await self.engine.apply(ReleaseLease(ctx.scope, ctx.run.id, ctx.owner))
 
     # --- reclaim -----------------------------------------------------------------------------------
 
@@ -264,7 +322,7 @@ class Fleet:
         self.admission.hold(batch)
         held = batch
         try:
-            taken = await self.stores.across_scopes.reclaim_lapsed(self.lease(), batch)
+            taken = await self.engine.apply(ReclaimLapsed(self.lease(), batch))
         except BaseException:
             self.admission.give_back(held)
             raise
@@ -277,7 +335,7 @@ class Fleet:
                 extra = {"run_id": run_id, "scope": str(scope)}
                 try:
                     if isinstance(one, Unreadable):
-                        await self._quarantine(one.run_id, one.scope, InvalidContinuation(one.detail))
+                        await self._quarantine(one.run_id, one.scope, one.revision, InvalidContinuation(one.detail))
                     else:
                         await self._continue_reclaimed(one)
                 except TransientError as exc:
@@ -304,19 +362,21 @@ class Fleet:
             # the run's start.
             cont = Continuation(config=run.config, session_id=run.session_id)
             with contextlib.suppress(IntermissionError):
-                cont = (await self.stores.at(run.scope).suspensions.get_suspension(run.id)).continuation
+                pause = (await self.engine.apply(ReadForCommand(run.scope, run.id))).pause
+                if pause is not None:
+                    cont = pause.continuation
             progress = Progress(run_id=run.id, scope=run.scope, owner=self.owner, continuation=cont)
         try:
             progress = await self._grant_admitted_start(run, progress)
         except PermanentError as exc:
-            await self._quarantine(run.id, run.scope, exc, traceparent=progress.continuation.traceparent)
+            await self._quarantine(run.id, run.scope, run.revision, exc, traceparent=progress.continuation.traceparent)
             return
         log.info("reclaimed a run", extra={"action": "run_reclaimed", "run_id": run.id, "scope": str(run.scope)})
         self.metrics.reclaimed.inc()
         self.submit(Claimed(run=run, progress=progress, suspension=None, correlation_id=None), taken_over=True)
 
     async def _quarantine(
-        self, run_id: str, scope: Scope, error: IntermissionError, *, traceparent: str | None = None
+        self, run_id: str, scope: Scope, revision: int, error: IntermissionError, *, traceparent: str | None = None
     ) -> None:
         """End a run that can never be continued ``failed``, with its code, under the lease just taken (its
         ``run.failed`` in the run's trace, when its snapshot could be read)."""
@@ -324,8 +384,16 @@ class Fleet:
             "a reclaimed run cannot be continued; ending it failed",
             extra={"action": "run_quarantined", "run_id": run_id, "code": error.code, "detail": error.detail},
         )
-        await self.stores.at(scope).runs.end_run(
-            run_id, self.owner, RunEventKind.FAILED, error=f"{error.code}: {error.detail}", traceparent=traceparent
+        await self.engine.apply(
+            EndRun(
+                scope,
+                run_id,
+                self.owner,
+                revision,
+                RunEventKind.FAILED,
+                error=f"{error.code}: {error.detail}",
+                traceparent=traceparent,
+            )
         )
         self.metrics.quarantined.inc()
 
@@ -333,21 +401,18 @@ class Fleet:
         """A run whose agent reply was admitted but never started (its admitter died in between) may only
         execute after the single grant: take it now. An admission that was expired instead must not run:
         the run finishes as expired."""
-        resume = self.stores.at(run.scope).resume
-        try:
-            admission = await resume.latest_resume_admission(run.id)
-        except ResumeAdmissionNotFound:
+        # The run's latest admission is whichever pause id is asked about; 0 names no pause (ids start at
+        # 1), so this first read carries no pause's own evidence.
+        admission = (await self.engine.apply(ReadEvidence(run.scope, run.id, 0))).latest
+        if admission is None:
             return progress
         if admission.claimed_revision != run.revision:
             return progress  # an older pause's admission; this run moved on since
         key = admission.request.version.suspension_id
-        try:
-            await resume.get_resume_start(run.id, key)
+        if (await self.engine.apply(ReadEvidence(run.scope, run.id, key))).start is not None:
             return progress  # started before: the grant was given, and this takeover inherits it
-        except ResumeAdmissionNotFound:
-            pass
         try:
-            await resume.start_resume_leased(run.id, key, admission.request_digest, self.lease())
+            await self.engine.apply(StartResume(run.scope, run.id, key, admission.request_digest, self.lease()))
         except SuspensionExpired as exc:
             ending = Ending(kind=EndingKind.EXPIRE, reason=exc.detail)
             return progress.model_copy(update={"ending": ending})
@@ -386,7 +451,7 @@ class Fleet:
             await self.wait_idle()
             if await self.reclaim_once():
                 continue
-            if wait_for_lapsed and (await self.stores.across_scopes.count_running()).running:
+            if wait_for_lapsed and await self.store.count_running():
                 # Another worker's lease has yet to lapse: look again at the reclaim cadence.
                 await asyncio.sleep(min(self.settings.reclaim_interval_seconds, 0.2))
                 continue

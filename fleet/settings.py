@@ -50,14 +50,17 @@ class Settings(BaseSettings):
     bus_user: str = "intermission-bus"
     # Deliveries each command queue's consumer may hold unacknowledged (RabbitMQ's prefetch, per consumer).
     prefetch: int = Field(default=16, ge=1, le=1000)
-    # Commands whose transactions run at once in this worker, across all six queues: fewer than the pool's
-    # connections, so the relay, the reclaim sweep and the runs themselves always find one.
+    # Statements the engine's committer runs at once in this worker, every kind of transition together: fewer
+    # than the pool's connections, so the relay, the lease line and the reads always find one.
     commands_in_flight: int = Field(default=6, ge=1, le=1000)
-    # Group commit (consumers/batching.py): how many resume, decide and expire commands that arrive together
-    # go through one transaction at most (1: each alone), and how many such batches run at once (each holds
-    # one of the commands_in_flight slots). Nothing waits for a batch to fill.
+    # Group commit (engine/committer.py): how many transitions of one kind that wait together one statement
+    # carries at most (1: each alone), and how many statements of one kind run at once. Nothing waits for a
+    # batch to fill. One statement of a kind at a time: a command's read and its claim are two kinds, so a
+    # worker still has two of its commands' statements in flight, as the batch path before the engine had
+    # (a read and a claim in turn, two batches at once); two of each made half-size batches under load,
+    # twice the statements and commits, and cost 12 % of resumes/s in bench/resume.py (docs/decisions.md).
     command_batch_size: int = Field(default=32, ge=1, le=1000)
-    command_batches_in_flight: int = Field(default=2, ge=1, le=1000)
+    command_batches_in_flight: int = Field(default=1, ge=1, le=1000)
     # How long a command is held and retried while the database is unavailable before it is requeued:
     # longer than a managed database's failover (typically 30-120 s).
     command_retry_seconds: float = Field(default=180.0, ge=0)

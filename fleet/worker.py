@@ -19,16 +19,18 @@ from dataclasses import dataclass
 
 from aio_pika.abc import AbstractRobustConnection
 
-from intermission import points
 from intermission.agent.executor import Executor
 from intermission.agent.plugins import load_executor
-from intermission.consumers.handlers import WorkerHooks
+from intermission.consumers.handlers import CommandHandlers
 from intermission.consumers.policy import AckPolicy, CommandLimits
 from intermission.consumers.rejection import Rejecter
 from intermission.consumers.service import CommandConsumers
+from intermission.engine.core import Engine
+from intermission.engine.observer import CrashPoints, Observer, Observers, Spans
+from intermission.engine.starts import Quota, RunDefaults
 from intermission.fleet import health
 from intermission.fleet.identity import incarnation, session_name
-from intermission.fleet.metrics import SweeperMetrics, TimedHandlers, WorkerMetrics
+from intermission.fleet.metrics import SweeperMetrics, WorkerMetrics
 from intermission.fleet.pruning import PRUNER_TASK, PruneLoop
 from intermission.fleet.runtime import RECLAIM_TASK, Fleet
 from intermission.fleet.settings import Settings
@@ -38,8 +40,6 @@ from intermission.publishers.amqp import connect
 from intermission.publishers.relay import OutboxRelay
 from intermission.publishers.sweeper import ExpirySweeper
 from intermission.store import Stores
-from intermission.store.commands import Claimed, RunDefaults
-from intermission.store.runs import Quota
 from intermission.wire import Topology, declare
 
 log = logging.getLogger("intermission.worker")
@@ -81,6 +81,33 @@ class Worker:
                 return
 
 
+def run_defaults(settings: Settings) -> RunDefaults:
+    """What a start takes from the settings when its command leaves it out, and the most it may ask for."""
+    return RunDefaults(
+        pause_ttl_seconds=settings.pause_ttl_seconds,
+        max_steps=settings.max_steps,
+        max_tool_calls=settings.max_tool_calls,
+        max_steps_limit=settings.max_steps_limit,
+        max_tool_calls_limit=settings.max_tool_calls_limit,
+        max_total_tokens_limit=settings.max_total_tokens_limit,
+        max_tokens_limit=settings.max_tokens_limit,
+        quota=Quota(settings.quota_live_runs, settings.quota_starts_per_second),
+    )
+
+
+def worker_engine(stores: Stores, settings: Settings, observer: Observer) -> Engine:
+    """The engine a worker applies everything through: its defaults, its group commit's bounds, its
+    observer. (The fleet gives it the worker's lease.)"""
+    return Engine.over(
+        stores,
+        defaults=run_defaults(settings),
+        observer=observer,
+        max_size=settings.command_batch_size,
+        max_in_flight=settings.command_batches_in_flight,
+        max_statements=settings.commands_in_flight,
+    )
+
+
 @asynccontextmanager
 async def running_worker(
     settings: Settings, *, executor: Executor | None = None, stores: Stores | None = None
@@ -101,10 +128,13 @@ async def running_worker(
         )
     metrics = WorkerMetrics()
     supervisor = Supervisor(on_restart=lambda task: metrics.task_restarts.labels(task).inc())
+    # What watches the engine: the worker's metrics, the spans of shared commits, the crash points.
+    observer = Observers(metrics, Spans(), CrashPoints())
     fleet = Fleet(
         stores,
         settings,
         executor or load_executor(settings.executor),
+        engine=worker_engine(stores, settings, observer),
         owner=owner,
         metrics=metrics,
         supervisor=supervisor,
@@ -132,56 +162,22 @@ async def running_worker(
             poll_seconds=settings.relay_poll_seconds,
             publish_timeout=settings.publish_timeout_seconds,
             max_attempts=settings.outbox_max_attempts,
+            hand_over_seconds=settings.outbox_hold_seconds,
         )
         metrics.watch_relay(relay)
-        # Every commit of this process that adds outbox rows wakes the relay at once; LISTEN (above) still
-        # brings the rows other processes write (hosts using the store, the CLI).
-        stop_waking = stores.db.on_outbox_commit(relay.wake)
-        # The events a claim knows whole are published from memory right after its commit (relay.hand_over);
-        # their rows wait outbox_hold_seconds for the relays, which publish them only if that failed.
-        stop_handing = (
-            stores.db.hand_over_to(relay.hand_over, hold_seconds=settings.outbox_hold_seconds)
-            if settings.outbox_hold_seconds > 0
-            else lambda: None
-        )
-
-        def hand_over(claimed: Claimed) -> None:
-            fleet.submit(claimed)
-
+        # Every event the engine commits goes to the relay at once: published from memory, its row waiting
+        # outbox_hold_seconds for the relays, which publish it only if that failed (0: not handed over, the
+        # relay only wakes). LISTEN (above) still brings the rows other processes write (the CLI).
+        stop_handing = fleet.engine.hand_events_to(relay)
         policy = AckPolicy(
-            TimedHandlers(
-                stores,
-                WorkerHooks(
-                    lease=fleet.lease,
-                    defaults=RunDefaults(
-                        pause_ttl_seconds=settings.pause_ttl_seconds,
-                        max_steps=settings.max_steps,
-                        max_tool_calls=settings.max_tool_calls,
-                        max_steps_limit=settings.max_steps_limit,
-                        max_tool_calls_limit=settings.max_tool_calls_limit,
-                        max_total_tokens_limit=settings.max_total_tokens_limit,
-                        max_tokens_limit=settings.max_tokens_limit,
-                        quota=Quota(settings.quota_live_runs, settings.quota_starts_per_second),
-                    ),
-                    bus_user=settings.bus_user,
-                ),
-                metrics.command_seconds,
-            ),
+            CommandHandlers(fleet.engine, bus_user=settings.bus_user),
             Rejecter(topology.events, topology.dead, timeout=settings.publish_timeout_seconds),
-            hand_over,
+            fleet,
             retry_seconds=settings.command_retry_seconds,
             limits=CommandLimits(max_command_bytes=settings.max_command_bytes),
-            after_commit=lambda: points.reach(points.AFTER_COMMIT),
-            observe=metrics.command,
+            observer=observer,
         )
-        consumers = CommandConsumers(
-            policy,
-            topology.queues,
-            in_flight_limit=settings.commands_in_flight,
-            batch_size=settings.command_batch_size,
-            batches_in_flight=settings.command_batches_in_flight,
-            admit=fleet.admitting,
-        )
+        consumers = CommandConsumers(policy, topology.queues, places=fleet.admission)
         relay_stop = asyncio.Event()
         readiness = health.Readiness(
             [health.DATABASE, health.RABBITMQ, health.CONSUMERS, *(health.TASK_PREFIX + t for t in WORKER_TASKS)],
@@ -221,7 +217,6 @@ async def running_worker(
             await fleet.stop()
             relay_stop.set()
             await supervisor.stop(settings.shutdown_grace_seconds)
-            stop_waking()
             stop_handing()
             await relay.close()
             with contextlib.suppress(Exception):

@@ -458,21 +458,10 @@ class _DurableModel(Model):
 
         return await self._run.turn(ask)
 
-    def stream_response(
-        self,
-        system_instructions: str | None,
-        input: str | list[TResponseInputItem],
-        model_settings: ModelSettings,
-        tools: list[SdkTool],
-        output_schema: AgentOutputSchemaBase | None,
-        handoffs: list[Handoff],
-        tracing: ModelTracing,
-        *,
-        previous_response_id: str | None,
-        conversation_id: str | None,
-        prompt: ResponsePromptParam | None,
-    ) -> AsyncIterator[TResponseStreamEvent]:
-        # The executor runs with Runner.run only; a stream would need its turns saved event by event.
+    def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[TResponseStreamEvent]:
+        # The executor runs with Runner.run only; a stream would need its turns saved event by event. Its
+        # parameters are the SDK's (``Model.stream_response``, as ``get_response`` spells them out): none is
+        # used, so they are not repeated here.
         raise NotImplementedError("the Intermission executor does not stream")
 
 

@@ -24,9 +24,10 @@ Events are published WITHOUT ``mandatory``: ``intermission.events`` is a topic e
 be bound to (no host subscribed to that tenant yet), and an unroutable event is normal, not a failure.
 With ``mandatory`` the broker would return such a message and the relay would retry it forever.
 
-Events a writer knows whole before its transaction (a claim's ``run.resumed``) need no relay at all: the
-writer HANDS THEM OVER (``store/db.py``), and right after their commit ``hand_over`` publishes them from
-memory, on the same confirm channel, and marks their rows sent with one statement per batch of confirms.
+Every event is known whole before its transaction (``engine/events.py``), so it needs no relay at all: the
+relay is the engine's ``EventSink`` (``engine/sink.py``), the committer HANDS each commit's events to it
+(``committed``), and right after their commit it publishes them from memory, on the same confirm channel,
+and marks their rows sent with one statement per batch of confirms.
 Their rows are written with a hold (migration 0009): the relays leave them alone for ``hold_seconds``,
 and publish them only if the hand-over did not get them confirmed and marked by then (the worker died
 after the commit, the broker was away, a nack). A hand-over that fails is therefore never retried here:
@@ -51,12 +52,14 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Sequence
 from types import TracebackType
 
 import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from tenacity import RetryCallState
 
+from intermission.engine.events import OutboxEvent
 from intermission.publishers.amqp import (
     RETRYABLE,
     ConfirmingPublisher,
@@ -69,7 +72,6 @@ from intermission.publishers.amqp import (
 from intermission.store.across_scopes import AcrossScopes, OutboxRow, RefusalPolicy, Refused
 from intermission.store.db import Database
 from intermission.store.notifications import OutboxListener
-from intermission.store.outbox import OutboxEvent
 from intermission.wire import EVENTS_EXCHANGE, message, wire_problem
 
 log = logging.getLogger("intermission.relay")
@@ -120,6 +122,7 @@ class OutboxRelay:
         max_attempts: int = 5,
         refusal_wait_seconds: float = 1.0,
         name: str = "intermission-relay",
+        hand_over_seconds: float | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
@@ -164,6 +167,23 @@ class OutboxRelay:
         # Handed-over events published and marked sent by this relay, and those left for the relays.
         self.handed = 0
         self.handed_failed = 0
+        # How long the rows of events handed over wait for this relay (None: none are handed over; the rows
+        # of this process's commits are due at once, and this relay only wakes for them).
+        self._hand_over_seconds = hand_over_seconds if hand_over_seconds else None
+
+    # --- the engine's event sink ------------------------------------------------------------------------
+
+    @property
+    def hold_seconds(self) -> float | None:
+        return self._hand_over_seconds
+
+    def committed(self, events: Sequence[OutboxEvent]) -> None:
+        """The events a commit of this process wrote: published from memory when they are handed over, or
+        looked for at once otherwise (this process's sessions NOTIFY nobody: ``store/db.py``)."""
+        if self._hand_over_seconds is None:
+            self.wake()
+        else:
+            self.hand_over(list(events))
 
     async def __aenter__(self) -> OutboxRelay:
         return self

@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import TypeVar
 
 from intermission.schemas.commands import Decision, ToolAnswer
+from intermission.schemas.config import REDACTED_ARGUMENTS, RunConfig
 from intermission.schemas.errors import (
     Forbidden,
     InvalidState,
@@ -190,3 +191,12 @@ def decision_progress(suspension: Suspension, decision: Decision, reason: str, o
 
 def ending_progress(suspension: Suspension, ending: Ending, owner: str) -> Progress:
     return Progress(run_id=suspension.run_id, owner=owner, continuation=suspension.continuation, ending=ending)
+
+
+def publishable(pending: list[PendingCall], config: RunConfig) -> list[PendingCall]:
+    """The pending calls as a Notice (or a page) of a run under ``config`` may carry them outside: with their
+    arguments redacted when its publication policy says so. The stored pause keeps them whole, for whoever
+    must execute them."""
+    if not config.publication.redact_arguments:
+        return pending
+    return [call.model_copy(update={"arguments": REDACTED_ARGUMENTS}) for call in pending]

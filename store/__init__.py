@@ -1,22 +1,23 @@
-"""Intermission's PostgreSQL store: every store capability of the original package (docs/seed.md), at the
-caller's exact scope.
+"""Intermission's PostgreSQL store: the database (pool, named statements, migrations, row decoding) and the
+read models. Every change of a run is a transition of the engine (``engine/``), which runs it here.
 
 ``Stores`` is one pool's worth of it. ``stores.at(scope)`` is a handle bound to one scope, checked once,
-whose aggregates (runs, suspensions, progress, resume evidence, sessions, the demo ledger) work only
-there; a command store takes each command's own scope from its body; ``stores.across_scopes`` holds every
-read that crosses scopes for the fleet's own processes, and ``stores.granted(reach)`` the web console's
-reads, restricted in SQL to the scopes the broker grants the person logged in; nothing else crosses
-scopes. A run id names a run only within its scope (migration 0015): two scopes may each have run "r1".
+whose readers (runs, suspensions, progress, resume evidence, sessions, the demo ledger) read only there;
+``stores.across_scopes`` holds every read that crosses scopes for the fleet's own processes, and
+``stores.granted(reach)`` the web console's reads, restricted in SQL to the scopes the broker grants the
+person logged in; nothing else crosses scopes. A run id names a run only within its scope (migration
+0015): two scopes may each have run "r1".
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TypeVar
 
 from intermission.schemas.scope import Reach, Scope, require_scope
 from intermission.store.across_scopes import AcrossScopes
-from intermission.store.commands import CommandStore
 from intermission.store.db import Database
 from intermission.store.granted import GrantedReads
 from intermission.store.ledger import DemoLedger
@@ -26,9 +27,20 @@ from intermission.store.runs import RunStore
 from intermission.store.sessions import SessionStore
 from intermission.store.suspensions import SuspensionStore
 
+_Reader = TypeVar("_Reader")
+
+
+def _reader(kind: Callable[[Database, Scope], _Reader]) -> cached_property[_Reader]:
+    """A reader of ``ScopedStores``: ``kind`` over its pool at its scope, made once, on first use."""
+
+    def make(stores: ScopedStores) -> _Reader:
+        return kind(stores.db, stores.scope)
+
+    return cached_property(make)
+
 
 class ScopedStores:
-    """The store at one exact scope: every method of its aggregates reads and writes only there."""
+    """The store at one exact scope: every reader of its aggregates reads only there."""
 
     def __init__(self, db: Database, scope: Scope) -> None:
         self.db = db
@@ -36,29 +48,12 @@ class ScopedStores:
         # and a zero scope must fail before any statement is sent.
         self.scope = require_scope(scope)
 
-    @cached_property
-    def runs(self) -> RunStore:
-        return RunStore(self.db, self.scope)
-
-    @cached_property
-    def suspensions(self) -> SuspensionStore:
-        return SuspensionStore(self.db, self.scope)
-
-    @cached_property
-    def progress(self) -> ProgressStore:
-        return ProgressStore(self.db, self.scope)
-
-    @cached_property
-    def resume(self) -> ResumeStore:
-        return ResumeStore(self.db, self.scope)
-
-    @cached_property
-    def sessions(self) -> SessionStore:
-        return SessionStore(self.db, self.scope)
-
-    @cached_property
-    def ledger(self) -> DemoLedger:
-        return DemoLedger(self.db, self.scope)
+    runs = _reader(RunStore)
+    suspensions = _reader(SuspensionStore)
+    progress = _reader(ProgressStore)
+    resume = _reader(ResumeStore)
+    sessions = _reader(SessionStore)
+    ledger = _reader(DemoLedger)
 
 
 @dataclass(frozen=True)
@@ -66,11 +61,9 @@ class Stores:
     """The capabilities over one pool."""
 
     db: Database
-    commands: CommandStore = field(init=False)
     across_scopes: AcrossScopes = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "commands", CommandStore(self.db))
         object.__setattr__(self, "across_scopes", AcrossScopes(self.db))
 
     def at(self, scope: Scope) -> ScopedStores:

@@ -10,7 +10,6 @@ continues each run under its stored scope; the relay publishes each event to its
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -19,13 +18,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
 
-from intermission.schemas.errors import InvalidArgument, InvalidContinuation
-from intermission.schemas.run import Lease, Run, RunState
+from intermission.schemas.errors import InvalidArgument
+from intermission.schemas.run import Run, RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, SuspendReason, Suspension
 from intermission.store import rows
 from intermission.store.db import Conn, Database
-from intermission.store.runs import Reclaimed, check_lease
+from intermission.store.rows import header_table, stored
 from intermission.wire import HeaderValue
 
 # A pause named by its run's scope and id and its own id.
@@ -69,15 +68,6 @@ class OutboxRow:
     body: str
     correlation_id: str | None
     headers: dict[str, HeaderValue]
-
-
-def _headers(raw: str | None) -> dict[str, HeaderValue]:
-    decoded: object = json.loads(raw) if raw else {}
-    if not isinstance(decoded, dict):
-        return {}
-    # AMQP header tables take scalars; the outbox only ever stores scalars (the schema version, a
-    # traceparent), so anything else is a foreign row and is left out rather than failing the batch.
-    return {str(k): v for k, v in decoded.items() if isinstance(v, str | int | float | bool)}
 
 
 # How much of the broker's reason a row keeps: enough for any reason RabbitMQ gives (a size, a user, a
@@ -142,18 +132,7 @@ class OutboxBatch:
             policy.first_wait_seconds,
             policy.longest_wait_seconds,
         )
-        return [
-            Refused(
-                id=r["id"],
-                message_id=r["message_id"],
-                routing_key=r["routing_key"],
-                attempts=r["attempts"],
-                reason=r["last_error"],
-                quarantined=r["quarantined"],
-                retry_in=r["retry_in"],
-            )
-            for r in found
-        ]
+        return [stored(Refused, r, reason=r["last_error"]) for r in found]
 
 
 @dataclass(frozen=True)
@@ -172,16 +151,6 @@ class OutboxEntry:
     next_attempt_at: datetime | None
     quarantined_at: datetime | None
     last_error: str | None
-
-
-@dataclass(frozen=True)
-class Unreadable:
-    """A run taken over whose stored row or snapshot does not decode: it can never be continued."""
-
-    run_id: str
-    # As stored, unvalidated: the end that quarantines the run is written under it.
-    scope: Scope
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -225,61 +194,7 @@ class AcrossScopes:
         after_expires, after_id = after if after is not None else (_BEFORE_EVERY_DEADLINE, 0)
         async with self.db.connection() as con:
             found = await con.fetch("list_expired_paused_across_scopes", cutoff, after_expires, after_id, limit)
-        return [
-            ExpiredPause(
-                scope=Scope(app=r["app"], tenant=r["tenant"]),
-                run_id=r["run_id"],
-                suspension_id=r["suspension_id"],
-                run_revision=r["run_revision"],
-                expires_at=r["expires_at"],
-            )
-            for r in found
-        ]
-
-    # --- the reclaim sweep -------------------------------------------------------------------------
-
-    async def reclaim_lapsed(self, lease: Lease, limit: int) -> list[Reclaimed | Unreadable]:
-        """Take up to ``limit`` running runs of any scope whose lease lapsed, each under ``lease`` with
-        its progress handed over, skipping runs another worker is taking right now.
-
-        Each run is decoded on its own, after the takeover commits: a run or snapshot that cannot be read
-        comes back as ``Unreadable`` (held by ``lease`` now, for the caller to end) and the rest of the
-        batch as usual. Decoding inside the transaction would let one bad row roll back the whole batch on
-        every sweep of every worker, and since it sorts first each time, no lapsed run would ever move."""
-        check_lease(lease)
-        if limit < 1:
-            raise InvalidArgument("limit must be at least 1")
-        async with self.db.transaction() as con:
-            taken = await con.fetch(
-                "take_over",
-                owner=lease.owner,
-                lease_ttl=lease.ttl_seconds,
-                limit=limit,
-                run_id=None,
-                app=None,
-                tenant=None,
-                first_continuation=None,
-                first_started=None,
-                first_done=None,
-                first_ending=None,
-                first_approved=None,
-            )
-        reclaimed: list[Reclaimed | Unreadable] = []
-        for r in taken:
-            try:
-                run = rows.run_from_row(r["run"])
-                reclaimed.append(Reclaimed(run, rows.taken_progress(r["progress"], run)))
-            except (InvalidContinuation, ValueError) as exc:  # ValueError: pydantic's, and an unknown state's
-                raw = r["run"]
-                scope = Scope.model_construct(app=raw["app"], tenant=raw["tenant"])
-                # Never the value itself: a stored row may hold what must not reach a log or an event.
-                detail = (
-                    exc.detail
-                    if isinstance(exc, InvalidContinuation)
-                    else f"stored run is malformed ({type(exc).__name__})"
-                )
-                reclaimed.append(Unreadable(run_id=raw["id"], scope=scope, detail=detail[:500]))
-        return reclaimed
+        return [stored(ExpiredPause, r, scope=Scope(app=r["app"], tenant=r["tenant"])) for r in found]
 
     # --- the outbox relay --------------------------------------------------------------------------
 
@@ -293,14 +208,7 @@ class AcrossScopes:
             yield OutboxBatch(
                 con,
                 [
-                    OutboxRow(
-                        id=r["id"],
-                        message_id=str(r["message_id"]),
-                        routing_key=r["routing_key"],
-                        body=r["body"],
-                        correlation_id=r["correlation_id"],
-                        headers=_headers(r["headers"]),
-                    )
+                    stored(OutboxRow, r, message_id=str(r["message_id"]), headers=header_table(r["headers"]))
                     for r in found
                 ],
             )
@@ -328,35 +236,7 @@ class AcrossScopes:
             raise InvalidArgument("limit must be between 1 and 10000")
         async with self.db.connection() as con:
             found = await con.fetch("list_quarantined_outbox" if quarantined else "list_unsent_outbox", limit)
-        return [
-            OutboxEntry(
-                id=r["id"],
-                message_id=r["message_id"],
-                routing_key=r["routing_key"],
-                app=r["app"],
-                tenant=r["tenant"],
-                run_id=r["run_id"],
-                created_at=r["created_at"],
-                attempts=r["attempts"],
-                next_attempt_at=r["next_attempt_at"],
-                quarantined_at=r["quarantined_at"],
-                last_error=r["last_error"],
-            )
-            for r in found
-        ]
-
-    async def retry_quarantined_outbox(self, ids: Sequence[int] | None) -> list[int]:
-        """Operators: hand quarantined rows back to the relay (``ids``, or every one when None) with their
-        attempts cleared; they go out under their own ``message_id``. Returns the ids retried: an id that is
-        not quarantined (sent, never refused, or retried already) is left alone and not among them. Every
-        relay is woken at the commit."""
-        if ids is not None and not ids:
-            return []
-        async with self.db.transaction() as con:
-            found = await con.fetch("retry_quarantined_outbox", list(ids) if ids is not None else None)
-            if found:
-                await con.fetchval("notify_outbox")
-        return [r["id"] for r in found]
+        return [stored(OutboxEntry, r) for r in found]
 
     # --- operators ---------------------------------------------------------------------------------
 
@@ -407,26 +287,7 @@ class AcrossScopes:
                 after.app if after is not None else None,
                 after.tenant if after is not None else None,
             )
-        return [
-            RunSummary(
-                id=r["id"],
-                app=r["app"],
-                tenant=r["tenant"],
-                agent_id=r["agent_id"],
-                state=r["state"],
-                revision=r["revision"],
-                lease_owner=r["lease_owner"],
-                lease_expires_at=r["lease_expires_at"],
-                step_count=r["step_count"],
-                created_at=r["created_at"],
-                updated_at=r["updated_at"],
-                ended_at=r["ended_at"],
-                suspension_id=r["suspension_id"],
-                reason=r["reason"],
-                expires_at=r["expires_at"],
-            )
-            for r in found
-        ]
+        return [stored(RunSummary, r) for r in found]
 
     async def pause_figures(self) -> PauseFigures:
         """Live pauses by reason and age, and their deadlines, by the database clock."""
@@ -456,16 +317,7 @@ class AcrossScopes:
         async with self.db.connection() as con:
             found = await con.fetch("stale_leases", grace_seconds, limit)
         total = int(found[0]["total"]) if found else 0
-        return total, [
-            StaleLease(
-                run_id=r["id"],
-                app=r["app"],
-                tenant=r["tenant"],
-                lease_owner=r["lease_owner"],
-                lapsed_seconds=r["lapsed_seconds"],
-            )
-            for r in found
-        ]
+        return total, [stored(StaleLease, r, run_id=r["id"]) for r in found]
 
     async def replication(self) -> Replication:
         """Whether this server is a standby, and the standbys streaming from it (a primary's view)."""
@@ -474,14 +326,7 @@ class AcrossScopes:
         return Replication(
             in_recovery=bool(found[0]["in_recovery"]) if found else False,
             standbys=[
-                Standby(
-                    name=r["application_name"],
-                    address=r["client_addr"],
-                    state=r["state"],
-                    sync_state=r["sync_state"],
-                    lag_bytes=r["lag_bytes"],
-                    lag_seconds=r["lag_seconds"],
-                )
+                stored(Standby, r, name=r["application_name"], address=r["client_addr"])
                 for r in found
                 if r["application_name"] is not None or r["state"] is not None
             ],

@@ -1,7 +1,7 @@
 """The one way store code talks to Postgres: a pool, transactions, and statements by name.
 
 ``Conn`` accepts query NAMES, never SQL text, so every statement that runs is one of the reviewed
-statements in ``store/queries/``; a statement that names its arguments takes them by name. Driver errors
+statements in ``store/queries/``, by name. Driver errors
 are translated here into Intermission's typed errors (``store_unavailable`` for what a retry may cure);
 asyncpg types never leave ``store/``.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -24,9 +24,7 @@ from intermission.schemas.errors import (
     StoreContention,
     StoreUnavailable,
 )
-from intermission.store.coalesce import Coalesced
-from intermission.store.outbox import OutboxEvent, written
-from intermission.store.queries import OUTBOX_WRITERS, QUERIES
+from intermission.store.queries import QUERIES
 
 log = logging.getLogger("intermission.store")
 
@@ -106,65 +104,24 @@ def translated() -> Iterator[None]:
 
 
 class Conn:
-    """A connection that runs named statements, and remembers whether they added outbox rows and which of
-    those rows their writer hands over to be published from memory after the commit (``hand_over``)."""
+    """A connection that runs named statements."""
 
-    __slots__ = ("handed", "handed_writes", "outbox_hold", "outbox_writes", "raw")
+    __slots__ = ("raw",)
 
-    def __init__(
-        self, raw: asyncpg.Connection[Any] | PoolConnectionProxy[Any], *, outbox_hold: float | None = None
-    ) -> None:
+    def __init__(self, raw: asyncpg.Connection[Any] | PoolConnectionProxy[Any]) -> None:
         self.raw = raw
-        # Statements run that may add outbox rows, and those whose rows were all handed over.
-        self.outbox_writes = 0
-        self.handed_writes = 0
-        self.handed: list[OutboxEvent] = []
-        # How long the rows of a statement that hands them over wait for the relays (None: this database
-        # does not hand events over; see ``Database.hand_over_to``).
-        self.outbox_hold = outbox_hold
 
-    @property
-    def wrote_outbox(self) -> bool:
-        return self.outbox_writes > 0
+    async def fetch(self, name: str, *args: Any) -> list[asyncpg.Record]:
+        return await self.raw.fetch(QUERIES[name].sql, *args)
 
-    def hand_over(self, events: Sequence[OutboxEvent]) -> None:
-        """The last outbox-writing statement wrote exactly ``events`` (none: it wrote no row), each written
-        under ``outbox_hold``: they go to the database's hand-over once the transaction has committed, and
-        that statement needs no relay."""
-        self.handed.extend(events)
-        self.handed_writes += 1
+    async def fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
+        return await self.raw.fetchrow(QUERIES[name].sql, *args)
 
-    def _prepare(self, name: str, args: tuple[Any, ...], named: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
-        query = QUERIES[name]
-        if name in OUTBOX_WRITERS:
-            self.outbox_writes += 1
-        if not named:
-            return query.sql, args
-        if args or query.arguments is None:
-            raise TypeError(f"query {name!r} takes {'no names' if query.arguments is None else 'names only'}")
-        try:
-            if len(named) == len(query.arguments):
-                return query.sql, tuple([named[argument] for argument in query.arguments])
-        except KeyError:
-            pass
-        missing, unknown = set(query.arguments) - set(named), set(named) - set(query.arguments)
-        raise TypeError(f"query {name!r}: missing {sorted(missing)}, unknown {sorted(unknown)}")
+    async def fetchval(self, name: str, *args: Any) -> Any:
+        return await self.raw.fetchval(QUERIES[name].sql, *args)
 
-    async def fetch(self, name: str, *args: Any, **named: Any) -> list[asyncpg.Record]:
-        sql, values = self._prepare(name, args, named)
-        return await self.raw.fetch(sql, *values)
-
-    async def fetchrow(self, name: str, *args: Any, **named: Any) -> asyncpg.Record | None:
-        sql, values = self._prepare(name, args, named)
-        return await self.raw.fetchrow(sql, *values)
-
-    async def fetchval(self, name: str, *args: Any, **named: Any) -> Any:
-        sql, values = self._prepare(name, args, named)
-        return await self.raw.fetchval(sql, *values)
-
-    async def execute(self, name: str, *args: Any, **named: Any) -> str:
-        sql, values = self._prepare(name, args, named)
-        return await self.raw.execute(sql, *values)
+    async def execute(self, name: str, *args: Any) -> str:
+        return await self.raw.execute(QUERIES[name].sql, *args)
 
 
 async def _forget_types(raw: asyncpg.Connection[Any] | PoolConnectionProxy[Any]) -> None:
@@ -211,10 +168,10 @@ class _ServerTracker:
 class Database:
     """One asyncpg pool per process, and the transactions store code runs in.
 
-    ``relayed``: this process runs an outbox relay and registers its wake-up with ``on_outbox_commit``.
-    Its sessions then set ``intermission.relayed = on``, which tells the ``outbox_notify`` trigger not to
-    NOTIFY (migration 0004): the relay learns of this process's rows in-process instead, and no other
-    worker's relay is woken for them.
+    ``relayed``: this process runs an outbox relay, which the engine hands every event it commits
+    (``engine/sink.py``). Its sessions then set ``intermission.relayed = on``, which tells the
+    ``outbox_notify`` trigger not to NOTIFY (migration 0004): the relay learns of this process's rows
+    in-process instead, and no other worker's relay is woken for them.
     """
 
     def __init__(
@@ -224,50 +181,8 @@ class Database:
         # Kept for the connections a process needs beside the pool (``connect_dedicated``).
         self.dsn = dsn
         self.server_settings = dict(server_settings or {})
-        self._outbox_listeners: list[Callable[[], None]] = []
-        self._hand_over: Callable[[list[OutboxEvent]], None] | None = None
-        # Step saves and run ends that happen at the same moment share a statement (store/coalesce.py).
-        self.progress_saves = Coalesced(self, "save_progress", "save_progresses")
-        # An end's run.* event is published from memory after its commit where this database hands events
-        # over (migration 0011).
-        self.run_ends = Coalesced(
-            self, "end_run", "end_runs", handed=lambda named, row: written(named, row["event_body"])
-        )
-        self.outbox_hold_seconds: float | None = None
         # Which server the pool's connections reach (set by ``connect``, which installs the init hook).
         self.tracker: _ServerTracker | None = None
-
-    def on_outbox_commit(self, wake: Callable[[], None]) -> Callable[[], None]:
-        """Call ``wake`` whenever a transaction of this pool that added outbox rows has ended (a rolled-back
-        one too: a wake-up that finds nothing costs one empty look). Returns the function that removes it."""
-        self._outbox_listeners.append(wake)
-        return lambda: self._outbox_listeners.remove(wake)
-
-    def hand_over_to(self, publish: Callable[[list[OutboxEvent]], None], *, hold_seconds: float) -> Callable[[], None]:
-        """Have the events that writers know whole before their transaction (a claim's run.resumed) handed
-        to ``publish`` right after their commit, to be published from memory; their rows wait
-        ``hold_seconds`` for the relays meanwhile (migration 0009), which publish them only if ``publish``
-        did not get them confirmed and marked sent by then (a crash, an outage). Returns the function that
-        stops it (the events of later commits then go through the relays alone, as before)."""
-        self._hand_over = publish
-        self.outbox_hold_seconds = hold_seconds
-
-        def stop() -> None:
-            if self._hand_over is publish:
-                self._hand_over = None
-                self.outbox_hold_seconds = None
-
-        return stop
-
-    def _conn(self, raw: asyncpg.Connection[Any] | PoolConnectionProxy[Any]) -> Conn:
-        return Conn(raw, outbox_hold=self.outbox_hold_seconds if self._hand_over is not None else None)
-
-    def _ended(self, conn: Conn, *, committed: bool = True) -> None:
-        if conn.outbox_writes > conn.handed_writes:
-            for wake in self._outbox_listeners:
-                wake()
-        if committed and conn.handed and self._hand_over is not None:
-            self._hand_over(conn.handed)
 
     @classmethod
     async def connect(
@@ -345,30 +260,20 @@ class Database:
         """A connection inside one transaction; it commits when the block ends without an error."""
         with translated():
             async with self.pool.acquire() as raw:
-                conn = self._conn(raw)
-                committed = False
                 try:
                     async with raw.transaction():
-                        yield conn
-                    committed = True
+                        yield Conn(raw)
                 except asyncpg.OutdatedSchemaCacheError:
                     await _forget_types(raw)
                     raise
-                finally:
-                    self._ended(conn, committed=committed)
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[Conn]:
         """A connection in autocommit mode: each statement is its own transaction."""
         with translated():
             async with self.pool.acquire() as raw:
-                # Autocommit: a statement that returned has committed, so its handed events go whatever
-                # the block does next.
-                conn = self._conn(raw)
                 try:
-                    yield conn
+                    yield Conn(raw)
                 except asyncpg.OutdatedSchemaCacheError:
                     await _forget_types(raw)
                     raise
-                finally:
-                    self._ended(conn)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
+from intermission.schemas.answers import publishable
 from intermission.schemas.config import RunConfig
 from intermission.schemas.errors import InvalidArgument
 from intermission.schemas.run import Run, RunState
@@ -26,7 +27,7 @@ from intermission.schemas.scope import Reach, Scope, require_scope
 from intermission.schemas.suspension import PendingCall, SuspendReason
 from intermission.store import rows
 from intermission.store.db import Database
-from intermission.store.runs import publishable
+from intermission.store.rows import Out, stored
 
 MAX_LISTED: Final = 500
 
@@ -127,25 +128,15 @@ class GrantedReads:
             return []
         async with self.db.connection() as con:
             found = await con.fetch("granted_approvals", *self._grant, _limit(limit))
-        waiting = []
-        for r in found:
-            config = rows.load_model(RunConfig, r["config"], "run config")
-            waiting.append(
-                WaitingApproval(
-                    scope=Scope(app=r["app"], tenant=r["tenant"]),
-                    run_id=r["run_id"],
-                    agent_id=r["agent_id"],
-                    suspension_id=r["suspension_id"],
-                    run_revision=r["run_revision"],
-                    checkpoint_id=r["checkpoint_id"],
-                    pending=publishable(rows.load_pending(r["pending"]), config),
-                    redacted=config.publication.redact_arguments,
-                    approvers=list(r["approvers"]),
-                    expires_at=r["expires_at"],
-                    created_at=r["created_at"],
-                )
+        return [
+            stored(
+                WaitingApproval,
+                r,
+                scope=Scope(app=r["app"], tenant=r["tenant"]),
+                **_published(r, rows.load_model(RunConfig, r["config"], "run config")),
             )
-        return waiting
+            for r in found
+        ]
 
     async def runs(self, states: frozenset[RunState], limit: int = 100) -> list[Run]:
         """Runs in ``states``, most recently changed first."""
@@ -173,49 +164,19 @@ class GrantedReads:
             events = await con.fetch("granted_run_outbox", *self._grant, *key)
         pause = None
         if pause_row is not None:
-            pause = PauseView(
+            pause = stored(
+                PauseView,
+                pause_row,
                 suspension_id=pause_row["id"],
                 reason=SuspendReason(pause_row["reason"]),
-                pending=publishable(rows.load_pending(pause_row["pending"]), run.config),
-                redacted=run.config.publication.redact_arguments,
-                checkpoint_id=pause_row["checkpoint_id"],
-                approvers=list(pause_row["approvers"]),
-                expires_at=pause_row["expires_at"],
-                created_at=pause_row["created_at"],
+                **_published(pause_row, run.config),
             )
         return RunView(
             run=run,
             pause=pause,
-            checkpoints=[
-                CheckpointView(
-                    id=k["id"],
-                    suspension_id=k["suspension_id"],
-                    approvers=list(k["approvers"]),
-                    state=k["state"],
-                    decided_by=k["decided_by"],
-                    reason=k["reason"],
-                    created_at=k["created_at"],
-                    decided_at=k["decided_at"],
-                )
-                for k in checkpoints
-            ],
-            history=[
-                HistoryEntry(
-                    kind=e["kind"], revision=e["revision"], data=_object(e["data"]), created_at=e["created_at"]
-                )
-                for e in history
-            ],
-            events=[
-                PublishedEvent(
-                    message_id=o["message_id"],
-                    routing_key=o["routing_key"],
-                    created_at=o["created_at"],
-                    sent_at=o["sent_at"],
-                    quarantined_at=o["quarantined_at"],
-                    attempts=o["attempts"],
-                )
-                for o in events
-            ],
+            checkpoints=[stored(CheckpointView, k, approvers=list(k["approvers"])) for k in checkpoints],
+            history=[stored(HistoryEntry, e, data=_object(e["data"])) for e in history],
+            events=[stored(PublishedEvent, o) for o in events],
         )
 
     async def command_outcome(self, scope: Scope, message_id: str) -> str | None:
@@ -233,6 +194,16 @@ def _limit(limit: int) -> int:
     if not 1 <= limit <= MAX_LISTED:
         raise InvalidArgument(f"limit must be between 1 and {MAX_LISTED}")
     return limit
+
+
+def _published(pause: Out, config: RunConfig) -> dict[str, Any]:
+    """What a person is shown of a pause's calls and deciders: the pending calls as the run's publication
+    policy lets them out (``redacted`` says whether it held their arguments back), and its approvers."""
+    return {
+        "pending": publishable(rows.load_pending(pause["pending"]), config),
+        "redacted": config.publication.redact_arguments,
+        "approvers": list(pause["approvers"]),
+    }
 
 
 def _object(raw: str) -> dict[str, Any]:

@@ -4,11 +4,9 @@ Each statement sits under a ``-- name --`` header followed by ``--`` description
 holds SQL: the store's executor takes a query NAME and looks the text up here, so no statement can be built
 from data (and ruff's S608 watches for any that try).
 
-A statement that calls a transition function names its arguments (``p_run_id => $1``); its Python caller
-passes them by name too (``Conn.call``), and the loader keeps the mapping from names to positions, so no
-caller counts to sixteen. A description line ``-- writes: outbox`` DECLARES that the statement adds outbox
-rows: a process that runs a relay wakes it when such a statement commits (``store/db.py``), and a test
-checks the declarations against the functions the statements call.
+A statement that applies transitions takes ONE array of their composite row (``$1::intermission_claim_v2[]``,
+migration 0016), so no caller counts arguments. A description line ``-- writes: outbox`` DECLARES that the
+statement adds outbox rows, and a test checks the declarations against the functions the statements call.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from importlib import resources
 from typing import LiteralString
 
 _HEADER = re.compile(r"^-- ([a-z][a-z0-9_]*) --$", re.MULTILINE)
-_NAMED_ARGUMENT = re.compile(r"\bp_([a-z][a-z0-9_]*)\s*=>\s*\$(\d+)")
 _WRITES = re.compile(r"^--\s*writes:\s*(.+)$")
 
 
@@ -27,20 +24,8 @@ _WRITES = re.compile(r"^--\s*writes:\s*(.+)$")
 class Query:
     name: str
     sql: LiteralString
-    # For a statement that names its arguments: the names (without ``p_``) in $1, $2, ... order.
-    arguments: tuple[str, ...] | None
     # What the statement declares it writes besides its own table ("outbox", "inbox").
     writes: frozenset[str]
-
-
-def _arguments(name: str, sql: str, source: str) -> tuple[str, ...] | None:
-    found = _NAMED_ARGUMENT.findall(sql)
-    if not found:
-        return None
-    by_position = {int(position): argument for argument, position in found}
-    if sorted(by_position) != list(range(1, len(by_position) + 1)) or len(by_position) != len(found):
-        raise ValueError(f"{source}: query {name!r} must name each of $1..$n exactly once")
-    return tuple(by_position[i] for i in range(1, len(by_position) + 1))
 
 
 def parse(text: str, source: str = "<sql>") -> dict[str, Query]:
@@ -66,7 +51,7 @@ def parse(text: str, source: str = "<sql>") -> dict[str, Query]:
         )
         # The text comes from files shipped with the package, never from data. mypy reads LiteralString as
         # str (python/mypy#12554); the name-only executor is the real guard.
-        found[name] = Query(name, body, _arguments(name, body, source), writes)
+        found[name] = Query(name, body, writes)
     return found
 
 

@@ -9,8 +9,12 @@ a run on values nobody wrote as such). A stored record without ``schema_version`
 
 from __future__ import annotations
 
+import functools
+import json
 import re
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import asyncpg
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -32,7 +36,14 @@ from intermission.schemas.suspension import (
     Suspension,
 )
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 M = TypeVar("M", bound=BaseModel)
+
+# A row as the store hands it over: an asyncpg Record, or a mapping of the same columns (the engine's
+# in-memory committer).
+Out: TypeAlias = asyncpg.Record | Mapping[str, Any]
 T = TypeVar("T")
 
 PENDING = TypeAdapter(list[PendingCall])
@@ -93,7 +104,7 @@ def load_pending(raw: str) -> list[PendingCall]:
     return _load_list(PENDING, raw, "pending calls")
 
 
-def run_from_row(row: asyncpg.Record, prefix: str = "") -> Run:
+def run_from_row(row: Out, prefix: str = "") -> Run:
     def col(name: str) -> Any:
         return row[prefix + name]
 
@@ -122,7 +133,7 @@ def run_from_row(row: asyncpg.Record, prefix: str = "") -> Run:
     )
 
 
-def suspension_from_row(row: asyncpg.Record, prefix: str = "") -> Suspension:
+def suspension_from_row(row: Out, prefix: str = "") -> Suspension:
     def col(name: str) -> Any:
         return row[prefix + name]
 
@@ -140,11 +151,11 @@ def suspension_from_row(row: asyncpg.Record, prefix: str = "") -> Suspension:
     )
 
 
-def progress_from_row(row: asyncpg.Record) -> Progress:
+def progress_from_row(row: Out) -> Progress:
     return _progress(row, "", row["run_id"], Scope(app=row["app"], tenant=row["tenant"]), row["owner"])
 
 
-def taken_progress(row: asyncpg.Record, run: Run) -> Progress | None:
+def taken_progress(row: Out, run: Run) -> Progress | None:
     """The snapshot a takeover adopted (``row`` is a progress row), now owned by the run's new lease owner;
     None when the run had none."""
     if row is None:
@@ -152,7 +163,7 @@ def taken_progress(row: asyncpg.Record, run: Run) -> Progress | None:
     return _progress(row, "", run.id, run.scope, run.lease_owner or row["owner"])
 
 
-def _progress(row: asyncpg.Record, prefix: str, run_id: str, scope: Scope, owner: str) -> Progress:
+def _progress(row: Out, prefix: str, run_id: str, scope: Scope, owner: str) -> Progress:
     def col(name: str) -> Any:
         return row[prefix + name]
 
@@ -181,3 +192,34 @@ def progress_arguments(p: Progress, prefix: str = "", *, continuation: bool = Tr
         f"{prefix}ending": None if p.ending is None else dump(p.ending),
         f"{prefix}approved": dump_list(CALL_IDS, p.approved),
     }
+
+
+# --- records read as stored ----------------------------------------------------------------------------
+
+D = TypeVar("D", bound="DataclassInstance")
+
+
+@functools.cache
+def _field_names(kind: type[DataclassInstance]) -> frozenset[str]:
+    # Cached: the relay decodes every outbox row it publishes through ``stored``.
+    return frozenset(f.name for f in fields(kind))
+
+
+def stored(kind: type[D], row: Out, **decoded: Any) -> D:
+    """A ``kind`` read as stored: each field is the row's column of the same name, except those given in
+    ``decoded`` (a value decoded from its column, or read from a column of another name)."""
+    names = _field_names(kind)
+    if not decoded.keys() <= names:
+        # A misspelt field would otherwise be read from its column without a word.
+        raise TypeError(f"{kind.__name__} has no field {sorted(decoded.keys() - names)}")
+    return kind(**{name: decoded[name] if name in decoded else row[name] for name in names})
+
+
+def header_table(raw: str | None) -> dict[str, str | int | float | bool]:
+    """An outbox row's stored headers as the AMQP header table they were written as."""
+    decoded: object = json.loads(raw) if raw else {}
+    if not isinstance(decoded, dict):
+        return {}
+    # AMQP header tables take scalars; the outbox only ever stores scalars (the schema version, a
+    # traceparent), so anything else is a foreign row and is left out rather than failing the read.
+    return {str(k): v for k, v in decoded.items() if isinstance(v, str | int | float | bool)}

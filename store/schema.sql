@@ -20,6 +20,172 @@ SET client_min_messages = warning;
 SET row_security = off;
 
 --
+-- Name: intermission_admission_expiry_v1; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_admission_expiry_v1 AS (
+	run_id text,
+	app text,
+	tenant text,
+	suspension_id bigint,
+	digest text,
+	schema_version integer,
+	event_id uuid
+);
+
+
+--
+-- Name: intermission_admission_v2; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_admission_v2 AS (
+	run_id text,
+	app text,
+	tenant text,
+	suspension_id bigint,
+	revision bigint,
+	lease_owner text,
+	lease_ttl double precision,
+	first_continuation jsonb,
+	first_done jsonb,
+	schema_version integer,
+	input bytea,
+	request_digest text,
+	suspension_digest text,
+	message_id text,
+	routing_key text,
+	digest text,
+	event_message_id uuid,
+	event_routing_key text,
+	event_body text,
+	event_correlation_id text,
+	event_headers jsonb
+);
+
+
+--
+-- Name: suspend_reason; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.suspend_reason AS ENUM (
+    'approval',
+    'external_tool',
+    'agent_reply'
+);
+
+
+--
+-- Name: intermission_claim_v2; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_claim_v2 AS (
+	run_id text,
+	app text,
+	tenant text,
+	suspension_id bigint,
+	revision bigint,
+	expired_by timestamp with time zone,
+	reason public.suspend_reason,
+	lease_owner text,
+	lease_ttl double precision,
+	first boolean,
+	first_continuation jsonb,
+	first_started jsonb,
+	first_done jsonb,
+	first_ending jsonb,
+	first_approved jsonb,
+	drop_pause boolean,
+	message_id text,
+	routing_key text,
+	digest text,
+	checkpoint_id bigint,
+	checkpoint_state text,
+	decided_by text,
+	decision_reason text,
+	event_message_id uuid,
+	event_routing_key text,
+	event_body text,
+	event_correlation_id text,
+	event_headers jsonb,
+	whole boolean
+);
+
+
+--
+-- Name: intermission_closure_v1; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_closure_v1 AS (
+	run_id text,
+	app text,
+	tenant text,
+	suspension_id bigint,
+	schema_version integer,
+	request jsonb,
+	request_digest text,
+	pinned_revision bigint,
+	admission_digest text,
+	start_started_at timestamp with time zone,
+	start_matches boolean,
+	run_revision bigint,
+	proof_expires_at timestamp with time zone,
+	error text,
+	run_event_id uuid,
+	run_event_data jsonb,
+	event_message_id uuid,
+	event_routing_key text,
+	event_body text,
+	event_correlation_id text,
+	event_headers jsonb
+);
+
+
+--
+-- Name: intermission_command_key_v1; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_command_key_v1 AS (
+	run_id text,
+	app text,
+	tenant text,
+	message_id text,
+	checkpoint_id bigint
+);
+
+
+--
+-- Name: intermission_create_pause_v2; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_create_pause_v2 AS (
+	run_id text,
+	app text,
+	tenant text,
+	reason public.suspend_reason,
+	pending jsonb,
+	continuation jsonb,
+	expires_at timestamp with time zone,
+	ttl double precision,
+	checkpoint_id bigint,
+	approvers text[]
+);
+
+
+--
+-- Name: intermission_deadline_v2; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_deadline_v2 AS (
+	run_id text,
+	app text,
+	tenant text,
+	suspension_id bigint,
+	extend_by double precision,
+	moved_by text
+);
+
+
+--
 -- Name: run_state; Type: TYPE; Schema: public; Owner: -
 --
 
@@ -34,13 +200,208 @@ CREATE TYPE public.run_state AS ENUM (
 
 
 --
--- Name: suspend_reason; Type: TYPE; Schema: public; Owner: -
+-- Name: intermission_end_v3; Type: TYPE; Schema: public; Owner: -
 --
 
-CREATE TYPE public.suspend_reason AS ENUM (
-    'approval',
-    'external_tool',
-    'agent_reply'
+CREATE TYPE public.intermission_end_v3 AS (
+	run_id text,
+	app text,
+	tenant text,
+	owner text,
+	revision bigint,
+	state public.run_state,
+	output text,
+	error text,
+	messages jsonb,
+	checkpoint_reason text,
+	run_event_id uuid,
+	run_event_kind text,
+	run_event_data jsonb,
+	step_count integer,
+	tokens_used bigint,
+	event_message_id uuid,
+	event_routing_key text,
+	event_body text,
+	event_correlation_id text,
+	event_headers jsonb
+);
+
+
+--
+-- Name: intermission_ending_v2; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_ending_v2 AS (
+	run_id text,
+	app text,
+	tenant text,
+	ending jsonb,
+	message_id text,
+	routing_key text,
+	digest text
+);
+
+
+--
+-- Name: intermission_outbox_retry_v1; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_outbox_retry_v1 AS (
+	id bigint
+);
+
+
+--
+-- Name: intermission_pause_draw_v1; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_pause_draw_v1 AS (
+	approval boolean
+);
+
+
+--
+-- Name: intermission_pause_key_v1; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_pause_key_v1 AS (
+	run_id text,
+	app text,
+	tenant text,
+	suspension_id bigint
+);
+
+
+--
+-- Name: intermission_pause_v3; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_pause_v3 AS (
+	run_id text,
+	app text,
+	tenant text,
+	owner text,
+	revision bigint,
+	suspension_id bigint,
+	checkpoint_id bigint,
+	reason public.suspend_reason,
+	pending jsonb,
+	continuation jsonb,
+	approvers text[],
+	expires_at timestamp with time zone,
+	step_count integer,
+	tokens_used bigint,
+	event_message_id uuid,
+	event_routing_key text,
+	event_body text,
+	event_correlation_id text,
+	event_headers jsonb
+);
+
+
+--
+-- Name: intermission_resume_start_v2; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_resume_start_v2 AS (
+	run_id text,
+	app text,
+	tenant text,
+	suspension_id bigint,
+	digest text,
+	lease_owner text,
+	lease_ttl double precision,
+	first_continuation jsonb,
+	first_done jsonb,
+	schema_version integer
+);
+
+
+--
+-- Name: intermission_run_key_v1; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_run_key_v1 AS (
+	run_id text,
+	app text,
+	tenant text,
+	owner text
+);
+
+
+--
+-- Name: intermission_save_v2; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_save_v2 AS (
+	run_id text,
+	app text,
+	tenant text,
+	owner text,
+	continuation jsonb,
+	started jsonb,
+	done jsonb,
+	ending jsonb,
+	approved jsonb,
+	step_count integer,
+	tokens_used bigint
+);
+
+
+--
+-- Name: intermission_session_key_v1; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_session_key_v1 AS (
+	app text,
+	tenant text,
+	session_id text,
+	most integer
+);
+
+
+--
+-- Name: intermission_start_v2; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_start_v2 AS (
+	run_id text,
+	app text,
+	tenant text,
+	agent_id text,
+	input text,
+	config jsonb,
+	script jsonb,
+	pause_ttl_seconds integer,
+	session_id text,
+	start_digest text,
+	lease_owner text,
+	lease_ttl double precision,
+	first_continuation jsonb,
+	message_id text,
+	routing_key text,
+	digest text,
+	default_live_runs integer,
+	default_starts_per_second double precision
+);
+
+
+--
+-- Name: intermission_take_over_v2; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.intermission_take_over_v2 AS (
+	owner text,
+	lease_ttl double precision,
+	lapsed_limit integer,
+	run_id text,
+	app text,
+	tenant text,
+	first_continuation jsonb,
+	first_started jsonb,
+	first_done jsonb,
+	first_ending jsonb,
+	first_approved jsonb
 );
 
 
@@ -134,6 +495,30 @@ BEGIN
             p_request_digest, p_suspension_digest, v_claim.revision)
     RETURNING * INTO admission;
     outcome := 'admitted';
+END;
+$$;
+
+
+--
+-- Name: intermission_admit_resumes_v2(public.intermission_admission_v2[], double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_admit_resumes_v2(p_rows public.intermission_admission_v2[], p_outbox_hold double precision) RETURNS TABLE(n integer, outcome text, admission public.resume_admissions, revision bigint, suspension_id bigint, expires_at timestamp with time zone)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_admission_v2;
+BEGIN
+    PERFORM intermission_hold_outbox_v1(p_outbox_hold);
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        RETURN QUERY SELECT n, x.* FROM intermission_admit_resume_v1(
+              c.run_id, c.app, c.tenant, c.suspension_id, c.revision, c.lease_owner, c.lease_ttl,
+              c.first_continuation, c.first_done, c.schema_version, c.input, c.request_digest,
+              c.suspension_digest, c.message_id, c.routing_key, c.digest, c.event_message_id,
+              c.event_routing_key, c.event_body, c.event_correlation_id, c.event_headers) AS x;
+    END LOOP;
 END;
 $$;
 
@@ -322,6 +707,160 @@ $$;
 
 
 --
+-- Name: intermission_claim_pauses_v2(public.intermission_claim_v2[], double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_claim_pauses_v2(p_rows public.intermission_claim_v2[], p_outbox_hold double precision) RETURNS TABLE(n integer, outcome text, revision bigint, lease_owner text, lease_expires_at timestamp with time zone, updated_at timestamp with time zone, suspension_id bigint, expires_at timestamp with time zone, first_updated_at timestamp with time zone, run public.runs, pause public.suspensions)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_claim_v2;
+BEGIN
+    PERFORM intermission_hold_outbox_v1(p_outbox_hold);
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        RETURN QUERY SELECT n, x.* FROM intermission_claim_pause_v1(
+              c.run_id, c.app, c.tenant, c.suspension_id, c.revision, c.expired_by, c.reason, c.lease_owner,
+              c.lease_ttl, c.first, c.first_continuation, c.first_started, c.first_done, c.first_ending,
+              c.first_approved, c.drop_pause, c.message_id, c.routing_key, c.digest, c.checkpoint_id,
+              c.checkpoint_state, c.decided_by, c.decision_reason, c.event_message_id, c.event_routing_key,
+              c.event_body, c.event_correlation_id, c.event_headers, c.whole) AS x;
+    END LOOP;
+END;
+$$;
+
+
+--
+-- Name: resume_closures; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.resume_closures (
+    run_id text NOT NULL,
+    suspension_id bigint NOT NULL,
+    app text NOT NULL,
+    tenant text NOT NULL,
+    schema_version integer,
+    request jsonb NOT NULL,
+    request_digest text NOT NULL,
+    event_id uuid NOT NULL,
+    run_revision bigint NOT NULL,
+    closed_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT resume_closures_schema_version_check CHECK ((schema_version >= 1))
+);
+
+
+--
+-- Name: intermission_close_resume_v1(public.intermission_closure_v1); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_close_resume_v1(p public.intermission_closure_v1, OUT outcome text, OUT closure public.resume_closures, OUT revision bigint) RETURNS record
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_run runs;
+    v_latest resume_admissions;
+    v_start resume_starts;
+    v_ended record;
+BEGIN
+    SELECT r.* INTO v_run FROM runs r WHERE r.id = p.run_id AND r.app = p.app AND r.tenant = p.tenant
+       FOR UPDATE;
+    SELECT c.* INTO closure FROM resume_closures c
+     WHERE c.run_id = p.run_id AND c.suspension_id = p.suspension_id AND c.app = p.app AND c.tenant = p.tenant;
+    IF closure.run_id IS NOT NULL THEN
+        outcome := CASE WHEN closure.request_digest = p.request_digest THEN 'closed_before'
+                        ELSE 'closure_conflict' END;
+        RETURN;
+    END IF;
+    closure := NULL;
+    IF v_run.id IS NULL THEN
+        outcome := 'no_run';
+        RETURN;
+    END IF;
+    IF p.proof_expires_at <= now() THEN
+        outcome := 'proof_expired';
+        RETURN;
+    END IF;
+    SELECT a.* INTO v_latest FROM resume_admissions a
+     WHERE a.run_id = p.run_id AND a.app = p.app AND a.tenant = p.tenant
+     ORDER BY a.suspension_id DESC LIMIT 1;
+    IF v_latest.run_id IS NULL THEN
+        outcome := 'no_admission';
+        RETURN;
+    END IF;
+    IF v_latest.suspension_id <> p.suspension_id THEN
+        outcome := 'not_latest';
+        revision := v_latest.suspension_id;
+        RETURN;
+    END IF;
+    IF v_latest.pinned_revision <> p.pinned_revision OR v_latest.request_digest <> p.admission_digest THEN
+        outcome := 'admission_conflict';
+        RETURN;
+    END IF;
+    SELECT st.* INTO v_start FROM resume_starts st
+     WHERE st.run_id = p.run_id AND st.suspension_id = p.suspension_id AND st.app = p.app AND st.tenant = p.tenant;
+    IF v_start.run_id IS NULL THEN
+        outcome := 'no_start';
+        RETURN;
+    END IF;
+    IF v_start.started_at IS DISTINCT FROM p.start_started_at THEN
+        outcome := 'start_moved';
+        RETURN;
+    END IF;
+    IF NOT p.start_matches THEN
+        outcome := 'start_conflict';
+        RETURN;
+    END IF;
+    IF v_run.revision <> p.run_revision THEN
+        outcome := 'stale';
+        revision := v_run.revision;
+        RETURN;
+    END IF;
+    IF v_run.state <> 'running' THEN
+        outcome := 'not_running';
+        RETURN;
+    END IF;
+    SELECT * INTO v_ended FROM intermission_end_run_v3(ROW(
+        p.run_id, p.app, p.tenant, NULL, p.run_revision, 'failed', NULL, p.error, NULL, p.error,
+        p.run_event_id, 'resume_closed', p.run_event_data, NULL, NULL,
+        p.event_message_id, p.event_routing_key, p.event_body, p.event_correlation_id, p.event_headers
+    )::intermission_end_v3);
+    IF v_ended.outcome <> 'ended' THEN
+        RAISE EXCEPTION 'run % could not be closed: %', p.run_id, v_ended.outcome
+              USING ERRCODE = 'IM409', HINT = 'invalid_state';
+    END IF;
+    revision := v_ended.revision;
+    INSERT INTO resume_closures (run_id, suspension_id, app, tenant, schema_version, request, request_digest,
+                                 event_id, run_revision)
+    VALUES (p.run_id, p.suspension_id, p.app, p.tenant, p.schema_version, p.request, p.request_digest,
+            p.run_event_id, revision)
+    RETURNING * INTO closure;
+    outcome := 'closed';
+END;
+$$;
+
+
+--
+-- Name: intermission_close_resumes_v1(public.intermission_closure_v1[], double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_close_resumes_v1(p_rows public.intermission_closure_v1[], p_outbox_hold double precision) RETURNS TABLE(n integer, outcome text, closure public.resume_closures, revision bigint)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_closure_v1;
+BEGIN
+    PERFORM intermission_hold_outbox_v1(p_outbox_hold);
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        RETURN QUERY SELECT n, x.* FROM intermission_close_resume_v1(c) AS x;
+    END LOOP;
+END;
+$$;
+
+
+--
 -- Name: intermission_create_pause_v1(text, text, text, public.suspend_reason, jsonb, jsonb, timestamp with time zone, double precision, bigint, text[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -340,6 +879,77 @@ BEGIN
      WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant
     RETURNING * INTO v_pause;
     RETURN v_pause;
+END;
+$$;
+
+
+--
+-- Name: intermission_create_pauses_v2(public.intermission_create_pause_v2[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_create_pauses_v2(p_rows public.intermission_create_pause_v2[]) RETURNS TABLE(n integer, outcome text, pause public.suspensions)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_create_pause_v2;
+BEGIN
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        BEGIN
+            pause := intermission_create_pause_v1(c.run_id, c.app, c.tenant, c.reason, c.pending, c.continuation,
+                                                  c.expires_at, c.ttl, c.checkpoint_id, c.approvers);
+            outcome := CASE WHEN pause.id IS NULL THEN 'no_run' ELSE 'created' END;
+        EXCEPTION WHEN unique_violation THEN
+            pause := NULL;
+            outcome := 'exists';
+        END;
+        RETURN NEXT;
+    END LOOP;
+END;
+$$;
+
+
+--
+-- Name: intermission_delete_pauses_v1(public.intermission_run_key_v1[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_delete_pauses_v1(p_rows public.intermission_run_key_v1[]) RETURNS TABLE(n integer, found boolean)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_run_key_v1;
+BEGIN
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        DELETE FROM suspensions s WHERE s.run_id = c.run_id AND s.app = c.app AND s.tenant = c.tenant;
+        -- Returned as a value, never assigned: an OUT column named found is shadowed by PL/pgSQL's own
+        -- FOUND, so `found := FOUND` sets FOUND and the column stays NULL.
+        RETURN QUERY SELECT n, FOUND;
+    END LOOP;
+END;
+$$;
+
+
+--
+-- Name: intermission_delete_progresses_v1(public.intermission_run_key_v1[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_delete_progresses_v1(p_rows public.intermission_run_key_v1[]) RETURNS TABLE(n integer, found boolean)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_run_key_v1;
+BEGIN
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        DELETE FROM progress g WHERE g.run_id = c.run_id AND g.app = c.app AND g.tenant = c.tenant;
+        -- Returned as a value, never assigned: an OUT column named found is shadowed by PL/pgSQL's own
+        -- FOUND, so `found := FOUND` sets FOUND and the column stays NULL.
+        RETURN QUERY SELECT n, FOUND;
+    END LOOP;
 END;
 $$;
 
@@ -455,6 +1065,177 @@ $$;
 
 
 --
+-- Name: intermission_end_run_v3(public.intermission_end_v3); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_end_run_v3(p public.intermission_end_v3, OUT outcome text, OUT revision bigint, OUT ending jsonb) RETURNS record
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_session text;
+    v_run runs;
+BEGIN
+    UPDATE runs r
+       SET state = p.state, revision = r.revision + 1, lease_owner = NULL, lease_expires_at = NULL,
+           output = p.output, error = p.error, updated_at = now(), ended_at = now(), ending = NULL,
+           step_count = COALESCE(p.step_count, r.step_count), tokens_used = COALESCE(p.tokens_used, r.tokens_used)
+     WHERE r.id = p.run_id AND r.app = p.app AND r.tenant = p.tenant AND r.state = 'running'
+       AND r.revision = p.revision
+       AND (p.owner IS NULL
+            OR (p.owner <> '' AND r.lease_owner = p.owner AND r.lease_expires_at > now()
+                AND (r.ending IS NULL OR p.state = 'cancelled')))
+    RETURNING r.revision, r.session_id INTO revision, v_session;
+    IF revision IS NULL THEN
+        IF p.owner IS NULL THEN
+            outcome := 'not_at_revision';
+            RETURN;
+        END IF;
+        SELECT r.* INTO v_run FROM runs r
+         WHERE r.id = p.run_id AND r.app = p.app AND r.tenant = p.tenant AND r.state = 'running'
+           AND p.owner <> '' AND r.lease_owner = p.owner AND r.lease_expires_at > now();
+        IF v_run.id IS NULL THEN
+            outcome := 'not_held';
+        ELSIF v_run.ending IS NOT NULL AND p.state <> 'cancelled' THEN
+            outcome := 'ending_requested';
+            ending := v_run.ending;
+        ELSE
+            outcome := 'revision_moved';
+            revision := v_run.revision;
+        END IF;
+        RETURN;
+    END IF;
+    IF p.messages IS NOT NULL THEN
+        INSERT INTO session_messages (app, tenant, session_id, run_id, message)
+        SELECT p.app, p.tenant, v_session, p.run_id, t.m
+          FROM jsonb_array_elements(p.messages) WITH ORDINALITY AS t (m, n)
+         ORDER BY t.n;
+    END IF;
+    DELETE FROM progress g WHERE g.app = p.app AND g.tenant = p.tenant AND g.run_id = p.run_id;
+    DELETE FROM suspensions s WHERE s.app = p.app AND s.tenant = p.tenant AND s.run_id = p.run_id;
+    UPDATE checkpoints k SET state = 'rejected', reason = p.checkpoint_reason, decided_at = now()
+     WHERE k.app = p.app AND k.tenant = p.tenant AND k.run_id = p.run_id AND k.state = 'pending';
+    INSERT INTO run_events (event_id, run_id, app, tenant, kind, revision, data)
+    VALUES (p.run_event_id, p.run_id, p.app, p.tenant, p.run_event_kind, revision, p.run_event_data);
+    INSERT INTO outbox (message_id, routing_key, body, correlation_id, headers, app, tenant, run_id)
+    VALUES (p.event_message_id, p.event_routing_key, p.event_body, p.event_correlation_id, p.event_headers,
+            p.app, p.tenant, p.run_id);
+    outcome := 'ended';
+END;
+$$;
+
+
+--
+-- Name: intermission_end_runs_v3(public.intermission_end_v3[], double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_end_runs_v3(p_rows public.intermission_end_v3[], p_outbox_hold double precision) RETURNS TABLE(n integer, outcome text, revision bigint, ending jsonb)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_end_v3;
+BEGIN
+    PERFORM intermission_hold_outbox_v1(p_outbox_hold);
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        RETURN QUERY SELECT n, x.* FROM intermission_end_run_v3(c) AS x;
+    END LOOP;
+END;
+$$;
+
+
+--
+-- Name: resume_expiries; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.resume_expiries (
+    run_id text NOT NULL,
+    suspension_id bigint NOT NULL,
+    app text NOT NULL,
+    tenant text NOT NULL,
+    schema_version integer,
+    pinned_revision bigint NOT NULL,
+    request_digest text NOT NULL,
+    event_id uuid NOT NULL,
+    run_revision bigint NOT NULL,
+    expired_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT resume_expiries_schema_version_check CHECK ((schema_version >= 1))
+);
+
+
+--
+-- Name: intermission_expire_admission_v1(public.intermission_admission_expiry_v1); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_expire_admission_v1(p public.intermission_admission_expiry_v1, OUT outcome text, OUT expiry public.resume_expiries) RETURNS record
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_run runs;
+    v_admission resume_admissions;
+BEGIN
+    SELECT r.* INTO v_run FROM runs r WHERE r.id = p.run_id AND r.app = p.app AND r.tenant = p.tenant
+       FOR UPDATE;
+    SELECT a.* INTO v_admission FROM resume_admissions a
+     WHERE a.run_id = p.run_id AND a.suspension_id = p.suspension_id AND a.app = p.app AND a.tenant = p.tenant;
+    IF v_admission.run_id IS NULL THEN
+        outcome := 'no_admission';
+        RETURN;
+    END IF;
+    IF v_admission.request_digest <> p.digest THEN
+        outcome := 'digest_conflict';
+        RETURN;
+    END IF;
+    SELECT x.* INTO expiry FROM resume_expiries x
+     WHERE x.run_id = p.run_id AND x.suspension_id = p.suspension_id AND x.app = p.app AND x.tenant = p.tenant;
+    IF expiry.run_id IS NOT NULL THEN
+        outcome := 'expired_before';
+        RETURN;
+    END IF;
+    expiry := NULL;
+    IF EXISTS (SELECT 1 FROM resume_starts st
+                WHERE st.run_id = p.run_id AND st.suspension_id = p.suspension_id AND st.app = p.app
+                  AND st.tenant = p.tenant) THEN
+        outcome := 'started';
+        RETURN;
+    END IF;
+    IF v_run.id IS NULL THEN
+        outcome := 'no_run';
+        RETURN;
+    END IF;
+    INSERT INTO resume_expiries (run_id, suspension_id, app, tenant, schema_version, pinned_revision,
+                                 request_digest, event_id, run_revision)
+    VALUES (p.run_id, p.suspension_id, p.app, p.tenant, p.schema_version, v_admission.pinned_revision,
+            v_admission.request_digest, p.event_id, v_run.revision)
+    RETURNING * INTO expiry;
+    INSERT INTO run_events (event_id, run_id, app, tenant, kind, revision, data)
+    VALUES (p.event_id, p.run_id, p.app, p.tenant, 'resume_expired', v_run.revision,
+            jsonb_build_object('suspension_id', p.suspension_id, 'request_digest', v_admission.request_digest));
+    outcome := 'expired';
+END;
+$$;
+
+
+--
+-- Name: intermission_expire_admissions_v1(public.intermission_admission_expiry_v1[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_expire_admissions_v1(p_rows public.intermission_admission_expiry_v1[]) RETURNS TABLE(n integer, outcome text, expiry public.resume_expiries)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_admission_expiry_v1;
+BEGIN
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        RETURN QUERY SELECT n, x.* FROM intermission_expire_admission_v1(c) AS x;
+    END LOOP;
+END;
+$$;
+
+
+--
 -- Name: intermission_hold_outbox_v1(double precision); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -565,6 +1346,26 @@ BEGIN
       FROM runs r LEFT JOIN suspensions s ON s.run_id = r.id AND s.app = r.app AND s.tenant = r.tenant
      WHERE r.id = p_run_id AND r.app = p_app AND r.tenant = p_tenant AND r.state = 'paused';
     outcome := CASE WHEN suspension_id IS NULL THEN 'not_paused' ELSE 'pause_changed' END;
+END;
+$$;
+
+
+--
+-- Name: intermission_move_deadlines_v2(public.intermission_deadline_v2[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_move_deadlines_v2(p_rows public.intermission_deadline_v2[]) RETURNS TABLE(n integer, outcome text, suspension_id bigint, run_revision bigint, previous timestamp with time zone, expires_at timestamp with time zone)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_deadline_v2;
+BEGIN
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        RETURN QUERY SELECT n, x.* FROM intermission_move_deadline_v1(c.run_id, c.app, c.tenant, c.suspension_id, c.extend_by,
+                                             c.moved_by) AS x;
+    END LOOP;
 END;
 $$;
 
@@ -700,6 +1501,82 @@ $$;
 
 
 --
+-- Name: intermission_pause_run_v3(public.intermission_pause_v3); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_pause_run_v3(p public.intermission_pause_v3, OUT outcome text, OUT revision bigint, OUT pause public.suspensions, OUT ending jsonb) RETURNS record
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_run runs;
+BEGIN
+    UPDATE runs r
+       SET state = 'paused', revision = r.revision + 1, lease_owner = NULL, lease_expires_at = NULL,
+           step_count = p.step_count, tokens_used = p.tokens_used, updated_at = now()
+     WHERE r.id = p.run_id AND r.app = p.app AND r.tenant = p.tenant AND r.state = 'running'
+       AND p.owner <> '' AND r.lease_owner = p.owner AND r.lease_expires_at > now()
+       AND r.ending IS NULL AND r.revision = p.revision
+    RETURNING r.revision INTO revision;
+    IF revision IS NULL THEN
+        SELECT r.* INTO v_run FROM runs r
+         WHERE r.id = p.run_id AND r.app = p.app AND r.tenant = p.tenant AND r.state = 'running'
+           AND p.owner <> '' AND r.lease_owner = p.owner AND r.lease_expires_at > now();
+        IF v_run.id IS NULL THEN
+            outcome := 'not_held';
+        ELSIF v_run.ending IS NOT NULL THEN
+            outcome := 'ending_requested';
+            ending := v_run.ending;
+        ELSE
+            outcome := 'revision_moved';
+            revision := v_run.revision;
+        END IF;
+        RETURN;
+    END IF;
+    -- At most one pause per run (a unique index): the old one goes first.
+    DELETE FROM suspensions s WHERE s.app = p.app AND s.tenant = p.tenant AND s.run_id = p.run_id;
+    IF p.reason = 'approval' THEN
+        -- The id the worker drew from the checkpoints' own identity sequence (draw_pause_keys).
+        INSERT INTO checkpoints (id, run_id, suspension_id, app, tenant, approvers) OVERRIDING SYSTEM VALUE
+        VALUES (p.checkpoint_id, p.run_id, p.suspension_id, p.app, p.tenant, p.approvers);
+    END IF;
+    INSERT INTO suspensions AS s (id, run_id, app, tenant, reason, pending, continuation, expires_at,
+                                  checkpoint_id, approvers)
+    VALUES (p.suspension_id, p.run_id, p.app, p.tenant, p.reason, p.pending, p.continuation, p.expires_at,
+            CASE WHEN p.reason = 'approval' THEN p.checkpoint_id END, p.approvers)
+    RETURNING s.* INTO pause;
+    DELETE FROM progress g WHERE g.app = p.app AND g.tenant = p.tenant AND g.run_id = p.run_id;
+    INSERT INTO run_events (event_id, run_id, app, tenant, kind, revision, data)
+    VALUES (gen_random_uuid(), p.run_id, p.app, p.tenant, 'paused', revision,
+            jsonb_build_object('suspension_id', p.suspension_id));
+    INSERT INTO outbox (message_id, routing_key, body, correlation_id, headers, app, tenant, run_id)
+    VALUES (p.event_message_id, p.event_routing_key, p.event_body, p.event_correlation_id, p.event_headers,
+            p.app, p.tenant, p.run_id);
+    outcome := 'paused';
+END;
+$$;
+
+
+--
+-- Name: intermission_pause_runs_v3(public.intermission_pause_v3[], double precision); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_pause_runs_v3(p_rows public.intermission_pause_v3[], p_outbox_hold double precision) RETURNS TABLE(n integer, outcome text, revision bigint, pause public.suspensions, ending jsonb)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_pause_v3;
+BEGIN
+    PERFORM intermission_hold_outbox_v1(p_outbox_hold);
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        RETURN QUERY SELECT n, x.* FROM intermission_pause_run_v3(c) AS x;
+    END LOOP;
+END;
+$$;
+
+
+--
 -- Name: intermission_prune_runs_v1(timestamp with time zone, integer); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -780,6 +1657,30 @@ $$;
 
 
 --
+-- Name: intermission_release_leases_v1(public.intermission_run_key_v1[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_release_leases_v1(p_rows public.intermission_run_key_v1[]) RETURNS TABLE(n integer, found boolean)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_run_key_v1;
+BEGIN
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        UPDATE runs r SET lease_expires_at = now()
+         WHERE r.id = c.run_id AND r.app = c.app AND r.tenant = c.tenant AND r.state = 'running'
+           AND c.owner <> '' AND r.lease_owner = c.owner AND r.lease_expires_at > now();
+        -- Returned as a value, never assigned: an OUT column named found is shadowed by PL/pgSQL's own
+        -- FOUND, so `found := FOUND` sets FOUND and the column stays NULL.
+        RETURN QUERY SELECT n, FOUND;
+    END LOOP;
+END;
+$$;
+
+
+--
 -- Name: intermission_request_ending_v1(text, text, text, jsonb, text, text, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -842,6 +1743,50 @@ $$;
 
 
 --
+-- Name: intermission_request_endings_v2(public.intermission_ending_v2[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_request_endings_v2(p_rows public.intermission_ending_v2[]) RETURNS TABLE(n integer, outcome text, revision bigint, lease_owner text)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_ending_v2;
+BEGIN
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        RETURN QUERY SELECT n, x.* FROM intermission_request_ending_v1(c.run_id, c.app, c.tenant, c.ending, c.message_id, c.routing_key,
+                                              c.digest) AS x;
+    END LOOP;
+END;
+$$;
+
+
+--
+-- Name: intermission_retry_outbox_v1(public.intermission_outbox_retry_v1[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_retry_outbox_v1(p_rows public.intermission_outbox_retry_v1[]) RETURNS TABLE(n integer, id bigint)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_outbox_retry_v1;
+    i integer := 0;
+BEGIN
+    FOREACH c IN ARRAY p_rows LOOP
+        i := i + 1;
+        RETURN QUERY
+        -- Their message_id, body and last_error stay: a re-publication is the same event, and the last
+        -- refusal stays readable until the next one.
+        UPDATE outbox o SET quarantined_at = NULL, attempts = 0, next_attempt_at = NULL
+         WHERE o.quarantined_at IS NOT NULL AND o.sent_at IS NULL AND (c.id IS NULL OR o.id = c.id)
+        RETURNING i, o.id;
+    END LOOP;
+END;
+$$;
+
+
+--
 -- Name: intermission_save_progress_v1(text, text, text, text, jsonb, jsonb, jsonb, jsonb, jsonb, integer, bigint); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -860,6 +1805,27 @@ BEGIN
                                           p_done, p_ending, p_approved), h.ending
       INTO saved_at, ending
       FROM holder h;
+END;
+$$;
+
+
+--
+-- Name: intermission_save_progresses_v2(public.intermission_save_v2[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_save_progresses_v2(p_rows public.intermission_save_v2[]) RETURNS TABLE(n integer, saved_at timestamp with time zone, ending jsonb)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_save_v2;
+BEGIN
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        RETURN QUERY SELECT n, x.* FROM intermission_save_progress_v1(
+              c.run_id, c.app, c.tenant, c.owner, c.continuation, c.started, c.done, c.ending, c.approved,
+              c.step_count, c.tokens_used) AS x;
+    END LOOP;
 END;
 $$;
 
@@ -936,6 +1902,27 @@ BEGIN
     VALUES (p_run_id, p_suspension_id, p_app, p_tenant, p_schema_version, v_admission.pinned_revision,
             v_admission.request_digest)
     RETURNING * INTO start;
+END;
+$$;
+
+
+--
+-- Name: intermission_start_resumes_v2(public.intermission_resume_start_v2[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_start_resumes_v2(p_rows public.intermission_resume_start_v2[]) RETURNS TABLE(n integer, outcome text, start public.resume_starts, expired_at timestamp with time zone, run public.runs, pause public.suspensions)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_resume_start_v2;
+BEGIN
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        RETURN QUERY SELECT n, x.* FROM intermission_start_resume_v1(
+              c.run_id, c.app, c.tenant, c.suspension_id, c.digest, c.lease_owner, c.lease_ttl,
+              c.first_continuation, c.first_done, c.schema_version) AS x;
+    END LOOP;
 END;
 $$;
 
@@ -1066,6 +2053,28 @@ $$;
 
 
 --
+-- Name: intermission_start_runs_v2(public.intermission_start_v2[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_start_runs_v2(p_rows public.intermission_start_v2[]) RETURNS TABLE(n integer, outcome text, run public.runs, first_updated_at timestamp with time zone)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_start_v2;
+BEGIN
+    n := 0;
+    FOREACH c IN ARRAY p_rows LOOP
+        n := n + 1;
+        RETURN QUERY SELECT n, x.* FROM intermission_start_run_v2(
+              c.run_id, c.app, c.tenant, c.agent_id, c.input, c.config, c.script, c.pause_ttl_seconds,
+              c.session_id, c.start_digest, c.lease_owner, c.lease_ttl, c.first_continuation, c.message_id,
+              c.routing_key, c.digest, c.default_live_runs, c.default_starts_per_second) AS x;
+    END LOOP;
+END;
+$$;
+
+
+--
 -- Name: progress; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -1138,6 +2147,29 @@ BEGIN
         SELECT r, g FROM runs r
           LEFT JOIN progress g ON g.app = r.app AND g.tenant = r.tenant AND g.run_id = r.id
          WHERE r.app = v_apps[i] AND r.tenant = v_tenants[i] AND r.id = v_ids[i];
+    END LOOP;
+END;
+$$;
+
+
+--
+-- Name: intermission_take_over_v2(public.intermission_take_over_v2[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.intermission_take_over_v2(p_rows public.intermission_take_over_v2[]) RETURNS TABLE(n integer, taken_run public.runs, taken_progress public.progress)
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    c intermission_take_over_v2;
+    i integer := 0;
+BEGIN
+    FOREACH c IN ARRAY p_rows LOOP
+        i := i + 1;
+        RETURN QUERY
+        SELECT i, t.taken_run, t.taken_progress
+          FROM intermission_take_over_v1(c.owner, c.lease_ttl, c.lapsed_limit, c.run_id, c.app, c.tenant,
+                                         c.first_continuation, c.first_started, c.first_done, c.first_ending,
+                                         c.first_approved) AS t;
     END LOOP;
 END;
 $$;
@@ -1298,44 +2330,6 @@ ALTER TABLE public.outbox ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
     NO MINVALUE
     NO MAXVALUE
     CACHE 1
-);
-
-
---
--- Name: resume_closures; Type: TABLE; Schema: public; Owner: -
---
-
-CREATE TABLE public.resume_closures (
-    run_id text NOT NULL,
-    suspension_id bigint NOT NULL,
-    app text NOT NULL,
-    tenant text NOT NULL,
-    schema_version integer,
-    request jsonb NOT NULL,
-    request_digest text NOT NULL,
-    event_id uuid NOT NULL,
-    run_revision bigint NOT NULL,
-    closed_at timestamp with time zone DEFAULT now() NOT NULL,
-    CONSTRAINT resume_closures_schema_version_check CHECK ((schema_version >= 1))
-);
-
-
---
--- Name: resume_expiries; Type: TABLE; Schema: public; Owner: -
---
-
-CREATE TABLE public.resume_expiries (
-    run_id text NOT NULL,
-    suspension_id bigint NOT NULL,
-    app text NOT NULL,
-    tenant text NOT NULL,
-    schema_version integer,
-    pinned_revision bigint NOT NULL,
-    request_digest text NOT NULL,
-    event_id uuid NOT NULL,
-    run_revision bigint NOT NULL,
-    expired_at timestamp with time zone DEFAULT now() NOT NULL,
-    CONSTRAINT resume_expiries_schema_version_check CHECK ((schema_version >= 1))
 );
 
 
@@ -1825,4 +2819,5 @@ INSERT INTO public.schema_migrations (version, name, checksum) VALUES
     (12, 'operations', '756d0ea526c2ac453284a821137715012f433477c67d62ab9bb66292fd4bc1c3'),
     (13, 'marks_by_key', '581e07eb5ec33d932776bb2195c8a0aeb48487355734560272acc130e4bf5ed5'),
     (14, 'scope_quotas', '6edfbf43e7b5d68410c5f3b5764deb47dea29e39e98809220c83d5f38bd2fda1'),
-    (15, 'runs_keyed_by_scope', '0345a9856727c9c5261df3c13e6fa479b4fa9e433e04e46c19271e97007b1b09');
+    (15, 'runs_keyed_by_scope', '0345a9856727c9c5261df3c13e6fa479b4fa9e433e04e46c19271e97007b1b09'),
+    (16, 'one_committer', '3a9b6d4d772e0772dda3938ba3459304f80afcec4273c3dedb0c5bfcbb10e072');

@@ -20,8 +20,15 @@ class SessionStore:
         provider refuses a tool message that answers no call it can see."""
         async with self.db.connection() as con:
             found = await con.fetch("load_session", self.scope.app, self.scope.tenant, session_id, most)
-        messages = [load_model(Message, r["message"], "session message") for r in found]
-        start = 0
-        while start < len(messages) and messages[start].role is Role.TOOL:
-            start += 1
-        return messages[start:]
+        return history([r["message"] for r in found])
+
+
+def history(stored: list[str]) -> list[Message]:
+    """A session's stored messages (oldest first) as a run loads them: never opening on tool results, whose
+    assistant turn was cut off by the window (a model provider refuses a tool message that answers no call
+    it can see)."""
+    messages = [load_model(Message, raw, "session message") for raw in stored]
+    start = 0
+    while start < len(messages) and messages[start].role is Role.TOOL:
+        start += 1
+    return messages[start:]

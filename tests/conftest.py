@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from intermission.agent.loop import default_executor
+from intermission.engine.core import Engine
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker, running_worker
 from intermission.publishers.clients import BusClient, HostClient
@@ -91,6 +92,14 @@ async def stores(database_url: str) -> AsyncIterator[Stores]:
     s = await Stores.connect(database_url, min_size=1, max_size=8, generic_plans=True)
     yield s
     await s.close()
+
+
+@pytest.fixture
+def engine(stores: Stores) -> Engine:
+    """The engine over ``stores``: every change of a run is applied through it (``engine.at(scope)`` for the
+    original package's store API). It holds no lease: a test that applies commands gives one
+    (``engine.under(lease=...)``)."""
+    return Engine.over(stores)
 
 
 @pytest.fixture

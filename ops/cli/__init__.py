@@ -5,9 +5,8 @@ from intermission.ops.cli import (  # noqa: F401 - each module adds its commands
     access,
     dead_letters,
     doctor,
-    notices,
     outbox,
-    pauses,
+    pauses,  # and notices
     processes,
     quotas,
     runs,

@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from intermission.engine.core import Engine
+from intermission.engine.outbox import RetryQuarantined
 from intermission.ops.cli.app import (
     EXIT_PROBLEM,
     database,
@@ -65,7 +67,12 @@ def outbox_retry(ids: tuple[int, ...], everything: bool, as_json: bool) -> None:
     async def run() -> list[int]:
         # One statement hands every row back at once (--all too): there is no long work to show progress of.
         async with database(settings, max_size=1) as stores:
-            return await stores.across_scopes.retry_quarantined_outbox(None if everything else ids)
+            wanted = [RetryQuarantined()] if everything else [RetryQuarantined(i) for i in dict.fromkeys(ids)]
+            retried = await Engine.over(stores).apply_all(wanted)
+        for outcome in retried:
+            if isinstance(outcome, Exception):
+                raise outcome
+        return sorted({i for outcome in retried for i in outcome})
 
     retried = run_or_exit("outbox retry", run(), settings)
     left = sorted(set(ids) - set(retried))

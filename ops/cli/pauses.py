@@ -1,6 +1,7 @@
-"""``intermission pauses extend|expire``: a live pause's deadline moved by an operator, through the
-transition that does it (``intermission_move_deadline_v1``); an expiry then goes the way of every expiry, the
-sweeper's own ``run.expire`` claimed by a worker."""
+"""A live pause, as operators act on it. ``intermission pauses extend|expire``: its deadline moved by an
+operator, through the transition that does it (``MoveDeadline``, ``intermission_move_deadline_v1``); an expiry
+then goes the way of every expiry, the sweeper's own ``run.expire`` claimed by a worker. ``intermission notices
+replay``: its Notice published again, as it was first published."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 import click
 
+from intermission.engine.core import Engine
+from intermission.engine.pauses import MovedDeadline, MoveDeadline
 from intermission.ops.cli.app import (
     DURATION,
     Problem,
@@ -27,13 +30,13 @@ from intermission.ops.cli.app import (
 )
 from intermission.ops.cli.runs import report_outcome, resolve
 from intermission.ops.durations import describe_duration
-from intermission.ops.run_commands import Outcome, expire, send_and_wait, user_of
+from intermission.ops.run_commands import Outcome, expire, republish, send_and_wait, user_of
 from intermission.schemas.errors import NotSuspended
 from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
 from intermission.store.across_scopes import ExpiredPause
-from intermission.store.suspensions import MovedDeadline
+from intermission.store.runs import StoredEvent
 
 EXPIRE_WAIT_SECONDS = 30.0
 
@@ -64,9 +67,7 @@ async def live_pause_id(stores: Stores, scope: Scope, run_id: str) -> int:
 async def move(stores: Stores, scope: Scope, run_id: str, extend_by: float | None) -> MovedDeadline:
     pause_id = await live_pause_id(stores, scope, run_id)
     try:
-        return await stores.at(scope).suspensions.move_deadline(
-            run_id, pause_id, extend_by=extend_by, moved_by=operator()
-        )
+        return await Engine.over(stores).apply(MoveDeadline(scope, run_id, pause_id, extend_by, operator()))
     except NotSuspended as exc:
         # Answered, expired or cancelled between the read and the move: nothing was written.
         raise Problem(f"run {run_id} has no live pause any more ({exc.detail})") from exc
@@ -155,3 +156,41 @@ def pauses_expire(run_id: str, app: str | None, tenant: str | None, within: floa
     if not as_json:
         say(f"run {run_id}: pause {moved.suspension_id} expired at {when(moved.expires_at)}; run.expire published")
     report_outcome("pauses expire", outcome, within, as_json, {**moved_document(moved, scope), "wanted": "expired"})
+
+
+# --- a live pause's Notice, published again -------------------------------------------------------------
+
+
+@main.group("notices")
+def notices_group() -> None:
+    """The Notices that tell hosts and the bus a run paused."""
+
+
+@notices_group.command("replay")
+@click.argument("run_id")
+@scope_options
+@json_option
+def notices_replay(run_id: str, app: str | None, tenant: str | None, as_json: bool) -> None:
+    """Publish the live pause's Notice again, with the message_id it was first published with, its body and
+    headers as its outbox row keeps them, confirmed by the broker: a subscriber that deduplicates by
+    message_id sees a copy, not a new pause; one that lost it gets it."""
+    scope_of(app, tenant)
+    settings = load_settings()
+
+    async def run() -> tuple[Scope, StoredEvent]:
+        async with broker(settings) as connection, database(settings, max_size=1) as stores:
+            scope = await resolve(stores, run_id, app, tenant)
+            pause_id = await live_pause_id(stores, scope, run_id)
+            notice = await stores.at(scope).runs.notice_of_pause(run_id, pause_id)
+            if notice is None:
+                raise Problem(f"the Notice of pause {pause_id} of run {run_id} is not in the outbox")
+            await republish(connection, notice, confirm_seconds=settings.publish_timeout_seconds)
+            return scope, notice
+
+    scope, notice = run_or_exit("notices replay", run(), settings)
+    if as_json:
+        emit_json(
+            {"run_id": run_id, "scope": str(scope), "message_id": notice.message_id, "routing_key": notice.routing_key}
+        )
+        return
+    click.echo(f"run {run_id}: Notice {notice.message_id} published again ({notice.routing_key})")

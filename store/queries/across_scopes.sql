@@ -103,20 +103,6 @@ SELECT id, message_id::text AS message_id, routing_key, app, tenant, run_id, cre
  ORDER BY id
  LIMIT $1;
 
--- retry_quarantined_outbox --
--- Operators: quarantined rows handed back to the relay with a clean count (their message_id, body and
--- last_error stay as they are, so a re-publication is the same event and the last refusal stays readable
--- until the next one). $1 outbox ids (bigint[]; NULL: every quarantined row)
-UPDATE outbox
-   SET quarantined_at = NULL, attempts = 0, next_attempt_at = NULL
- WHERE quarantined_at IS NOT NULL AND ($1::bigint[] IS NULL OR id = ANY($1::bigint[]))
-RETURNING id;
-
--- notify_outbox --
--- Wakes every relay at commit, as the insert trigger does: rows made sendable by an UPDATE (a retry) fire
--- no trigger. No parameters
-SELECT pg_notify('intermission_outbox', '');
-
 -- count_running --
 -- How many runs are running, and how many of those hold a live lease. No parameters.
 SELECT count(*) AS running,

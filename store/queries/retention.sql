@@ -62,30 +62,23 @@ SELECT count(*) AS pruned FROM gone;
 -- prunable --
 -- What a prune would remove now, per table, without removing anything (`intermission prune --dry-run`).
 -- $1 run retention, $2 inbox window, $3 outbox retention, $4 session retention (all seconds)
+-- `ended` names its runs by the key every table of a run's rows has (app, tenant, run_id), so each count
+-- below joins on that key by name.
 WITH ended AS (
-    SELECT r.app, r.tenant, r.id FROM runs r
+    SELECT r.app, r.tenant, r.id AS run_id FROM runs r
      WHERE r.ended_at IS NOT NULL AND r.ended_at < now() - make_interval(secs => $1::float8)
        AND r.state IN ('completed', 'failed', 'cancelled')
 )
 SELECT (SELECT count(*) FROM ended) AS runs,
-       (SELECT count(*) FROM suspensions x
-         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS suspensions,
-       (SELECT count(*) FROM checkpoints x
-         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS checkpoints,
-       (SELECT count(*) FROM progress x
-         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS progress,
-       (SELECT count(*) FROM resume_admissions x
-         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS resume_admissions,
-       (SELECT count(*) FROM resume_starts x
-         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS resume_starts,
-       (SELECT count(*) FROM resume_expiries x
-         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS resume_expiries,
-       (SELECT count(*) FROM resume_closures x
-         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS resume_closures,
-       (SELECT count(*) FROM run_events x
-         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS run_events,
-       (SELECT count(*) FROM demo_charges x
-         JOIN ended e ON e.app = x.app AND e.tenant = x.tenant AND e.id = x.run_id) AS demo_charges,
+       (SELECT count(*) FROM suspensions JOIN ended USING (app, tenant, run_id)) AS suspensions,
+       (SELECT count(*) FROM checkpoints JOIN ended USING (app, tenant, run_id)) AS checkpoints,
+       (SELECT count(*) FROM progress JOIN ended USING (app, tenant, run_id)) AS progress,
+       (SELECT count(*) FROM resume_admissions JOIN ended USING (app, tenant, run_id)) AS resume_admissions,
+       (SELECT count(*) FROM resume_starts JOIN ended USING (app, tenant, run_id)) AS resume_starts,
+       (SELECT count(*) FROM resume_expiries JOIN ended USING (app, tenant, run_id)) AS resume_expiries,
+       (SELECT count(*) FROM resume_closures JOIN ended USING (app, tenant, run_id)) AS resume_closures,
+       (SELECT count(*) FROM run_events JOIN ended USING (app, tenant, run_id)) AS run_events,
+       (SELECT count(*) FROM demo_charges JOIN ended USING (app, tenant, run_id)) AS demo_charges,
        (SELECT count(*) FROM inbox i WHERE i.recorded_at < now() - make_interval(secs => $2::float8)) AS inbox,
        (SELECT count(*) FROM outbox o
          WHERE o.sent_at IS NOT NULL AND o.sent_at < now() - make_interval(secs => $3::float8)

@@ -1,8 +1,8 @@
-"""A worker SIGKILLed after a BATCH of commands committed together and before any of them was acknowledged
-(group commit, consumers/batching.py): every command of the batch is delivered again, each redelivery is a
-duplicate, and a survivor finishes every run with its non-retry-safe charge made exactly once. The dead
-worker never published the run.resumed events it would have handed over from memory: the relays publish
-their held rows once the hold ends, under the rows' own message_ids."""
+"""A worker SIGKILLed after a BATCH of commands' claims committed together in one statement and before any
+of them was acknowledged (group commit, engine/committer.py): every command of the batch is delivered
+again, each redelivery is a duplicate, and a survivor finishes every run with its non-retry-safe charge
+made exactly once. The dead worker never published the run.resumed events it would have handed over from
+memory: the relays publish their held rows once the hold ends, under the rows' own message_ids."""
 
 from __future__ import annotations
 

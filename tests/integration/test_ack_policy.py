@@ -15,15 +15,16 @@ import uuid
 import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 
-from intermission.consumers.handlers import CommandHandlers, WorkerHooks
-from intermission.consumers.parsing import Delivery
+from intermission.consumers.handlers import CommandHandlers
 from intermission.consumers.policy import AckPolicy
 from intermission.consumers.rejection import Rejecter
 from intermission.consumers.service import CommandConsumers
+from intermission.engine.commands import Claimed
+from intermission.engine.core import Engine
+from intermission.engine.transition import Applicable
 from intermission.schemas.errors import NotSuspended, StoreUnavailable
 from intermission.schemas.run import Lease
 from intermission.store import Stores
-from intermission.store.commands import Claimed, RunDefaults
 from intermission.wire import COMMANDS_EXCHANGE, DEAD_EXCHANGE, SCHEMA_VERSION_HEADER, Command, declare
 from tests.support.amqp import DELIVERY_LIMIT, CaptureFactory, ConnectionFactory
 from tests.support.waiting import eventually
@@ -36,14 +37,7 @@ class FlakyHandlers(CommandHandlers):
     def __init__(
         self, stores: Stores, failures: int, until: asyncio.Event | None = None, then_refuse: str | None = None
     ) -> None:
-        super().__init__(
-            stores,
-            WorkerHooks(
-                lease=lambda: Lease(owner="w", ttl_seconds=5),
-                defaults=RunDefaults(pause_ttl_seconds=0, max_steps=5),
-                bus_user="bus",
-            ),
-        )
+        super().__init__(Engine.over(stores, lease=Lease(owner="w", ttl_seconds=5)), bus_user="bus")
         self.failures = failures
         self.until = until
         # The message that, once the outage is over, is refused (the database answered it with a refusal).
@@ -51,7 +45,10 @@ class FlakyHandlers(CommandHandlers):
         self.calls = 0
         self.asked: list[str] = []
 
-    async def apply(self, command: Command, delivery: Delivery, message_id: str) -> Claimed | None:
+    async def apply(self, command: Command, operation: Applicable[Claimed | None]) -> Claimed | None:
+        receipt = getattr(operation, "receipt", None)
+        assert receipt is not None  # every command's operation carries its delivery's receipt
+        message_id = receipt.message_id
         self.calls += 1
         self.asked.append(message_id)
         if self.until is not None and not self.until.is_set():
@@ -61,6 +58,13 @@ class FlakyHandlers(CommandHandlers):
         if self.calls <= self.failures:
             raise StoreUnavailable("the database went away")
         return None
+
+
+class Nowhere:
+    """Where claimed runs go in these tests: nowhere (the handlers claim none)."""
+
+    def submit(self, claimed: Claimed) -> None:
+        raise AssertionError(f"no run is claimed here, but {claimed.run.id} was")
 
 
 async def consume_with(
@@ -77,7 +81,7 @@ async def consume_with(
     policy = AckPolicy(
         handlers,
         Rejecter(topology.events, topology.dead),
-        lambda _: None,
+        Nowhere(),
         retry_seconds=retry_seconds,
         max_backoff_seconds=0.2,
     )

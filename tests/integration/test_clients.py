@@ -14,6 +14,7 @@ import aiormq
 import asyncpg
 import pytest
 
+from intermission.engine import events as outbox
 from intermission.publishers.amqp import PublishFailed
 from intermission.publishers.clients import BusClient, EventKind, HostClient, Received, Subscription, version_of
 from intermission.publishers.relay import OutboxRelay
@@ -28,7 +29,7 @@ from intermission.schemas.commands import (
 from intermission.schemas.events import CommandRejected, RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Notice, SuspendReason
-from intermission.store import Stores, outbox
+from intermission.store import Stores
 from intermission.wire import (
     COMMANDS_EXCHANGE,
     SCHEMA_VERSION,
@@ -38,7 +39,7 @@ from intermission.wire import (
     rejected_key,
 )
 from tests.support import outbox as support_outbox
-from tests.support.factories import paused_run, running_run
+from tests.support.factories import paused_run, running_run, writes
 
 if TYPE_CHECKING:
     # Types only: importing tests.support.amqp here would defeat pytest's assertion rewriting of the plugin.
@@ -200,7 +201,7 @@ async def test_host_subscription_hears_its_scope_only_typed(
             paused = await paused_run(stores, scope, reason=SuspendReason.APPROVAL, approvers=["alice"])
             await reject(stores, other_scope, "cmd-other")
             run, held = await running_run(stores, scope)
-            await stores.at(scope).runs.end_run(
+            await writes(stores, scope).runs.end_run(
                 run.id, held.owner, RunEventKind.COMPLETED, output="done", correlation_id="cmd-end"
             )
             rejected_id = await reject(stores, scope, "cmd-bad")

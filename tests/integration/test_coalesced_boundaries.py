@@ -1,16 +1,16 @@
-"""Step saves and run ends that happen at the same moment share one statement (store/coalesce.py), and each
-keeps its own outcome: many runs ending together each end once with their own event; a lost lease or a
-value the database refuses among them fails only that call."""
+"""Step saves and run ends that happen at the same moment share one statement (group commit,
+engine/committer.py), and each keeps its own outcome: many runs ending together each end once with their
+own event; a lost lease or a value the database refuses among them fails only that call."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from intermission.schemas.errors import RunLeaseLost
+from intermission.engine.core import Engine
+from intermission.engine.runs import END, SAVE, EndRun, SaveProgress
+from intermission.schemas.errors import InvalidArgument, RunLeaseLost
 from intermission.schemas.events import RunEventKind
-from intermission.schemas.run import RunState
+from intermission.schemas.run import Run, RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Progress
 from intermission.store import Stores
@@ -20,18 +20,24 @@ from tests.support.fleet import outbox_keys
 RUNS = 24
 
 
-async def test_runs_ending_together_share_a_statement_and_each_ends_once(stores: Stores, scope: Scope) -> None:
+def end(scope: Scope, run: Run, owner: str, output: str) -> EndRun:
+    return EndRun(scope, run.id, owner, run.revision, RunEventKind.COMPLETED, output=output)
+
+
+async def test_runs_ending_together_share_a_statement_and_each_ends_once(
+    stores: Stores, engine: Engine, scope: Scope
+) -> None:
     held = [await running_run(stores, scope) for _ in range(RUNS)]
     runs = stores.at(scope).runs
-    before = len(stores.db.run_ends.sizes)
+    before = len(engine.scheduler.sizes(END))
 
-    async def end(i: int) -> object:
+    def ending(i: int) -> EndRun:
         run, holder = held[i]
         owner = "somebody-else" if i == 5 else holder.owner  # this one does not hold its run
-        return await runs.end_run(run.id, owner, RunEventKind.COMPLETED, output=f"output {i}")
+        return end(scope, run, owner, f"output {i}")
 
-    outcomes = await asyncio.gather(*(end(i) for i in range(RUNS)), return_exceptions=True)
-    assert max(stores.db.run_ends.sizes[before:]) > 1  # they went together
+    outcomes = await engine.apply_all([ending(i) for i in range(RUNS)])
+    assert engine.scheduler.sizes(END)[before:] == [RUNS]  # they went together
     assert isinstance(outcomes[5], RunLeaseLost)
     for i, (run, _) in enumerate(held):
         stored = await runs.get_run(run.id)
@@ -46,18 +52,23 @@ async def test_runs_ending_together_share_a_statement_and_each_ends_once(stores:
         assert keys.count(f"run.completed.{scope.app}.{scope.tenant}") == 1
 
 
-async def test_a_value_the_database_refuses_fails_only_its_own_call(stores: Stores, scope: Scope) -> None:
+async def test_a_value_the_database_refuses_fails_only_its_own_call(
+    stores: Stores, engine: Engine, scope: Scope
+) -> None:
     held = [await running_run(stores, scope) for _ in range(8)]
     runs = stores.at(scope).runs
+    before = len(engine.scheduler.sizes(END))
 
-    async def end(i: int) -> object:
+    def ending(i: int) -> EndRun:
         run, holder = held[i]
         # PostgreSQL stores no U+0000 in text: the statement carrying it fails, whichever runs it.
         output = "bad \x00 output" if i == 3 else "fine"
-        return await runs.end_run(run.id, holder.owner, RunEventKind.COMPLETED, output=output)
+        return end(scope, run, holder.owner, output)
 
-    outcomes = await asyncio.gather(*(end(i) for i in range(len(held))), return_exceptions=True)
-    assert isinstance(outcomes[3], Exception)
+    outcomes = await engine.apply_all([ending(i) for i in range(len(held))])
+    # The statement of all eight failed; then each went alone, and only the one carrying the NUL failed.
+    assert engine.scheduler.sizes(END)[before:] == [len(held)]
+    assert isinstance(outcomes[3], InvalidArgument)
     for i, (run, _) in enumerate(held):
         stored = await runs.get_run(run.id)
         if i == 3:
@@ -67,21 +78,19 @@ async def test_a_value_the_database_refuses_fails_only_its_own_call(stores: Stor
 
 
 async def test_step_saves_at_the_same_moment_share_a_statement_and_each_is_its_own(
-    stores: Stores, scope: Scope
+    stores: Stores, engine: Engine, scope: Scope
 ) -> None:
     held = [await running_run(stores, scope) for _ in range(RUNS)]
     at = stores.at(scope)
-    before = len(stores.db.progress_saves.sizes)
+    before = len(engine.scheduler.sizes(SAVE))
 
-    async def save(i: int) -> Progress:
+    def save(i: int) -> SaveProgress:
         run, holder = held[i]
         owner = holder.owner if i != 7 else lease().owner  # a stranger's save is refused
-        return await at.progress.save_progress(
-            Progress(run_id=run.id, owner=owner, continuation=continuation(step=i + 1))
-        )
+        return SaveProgress(scope, Progress(run_id=run.id, owner=owner, continuation=continuation(step=i + 1)))
 
-    outcomes = await asyncio.gather(*(save(i) for i in range(RUNS)), return_exceptions=True)
-    assert max(stores.db.progress_saves.sizes[before:]) > 1
+    outcomes = await engine.apply_all([save(i) for i in range(RUNS)])
+    assert engine.scheduler.sizes(SAVE)[before:] == [RUNS]
     assert isinstance(outcomes[7], RunLeaseLost)
     for i, (run, _) in enumerate(held):
         if i == 7:

@@ -10,6 +10,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from intermission.engine.commands import Cancel, Claimed, Reply
+from intermission.engine.core import Engine
+from intermission.engine.runs import EndingRequested, Pause
 from intermission.schemas.commands import (
     CancelCommand,
     DecideCommand,
@@ -27,16 +30,14 @@ from intermission.schemas.errors import (
 )
 from intermission.schemas.events import RunEventKind
 from intermission.schemas.llm import Role
-from intermission.schemas.run import RunState
+from intermission.schemas.run import Lease, RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Ending, EndingKind, PendingCall, SuspendReason, Suspension
 from intermission.store import Stores
-from intermission.store.commands import Claimed
 from intermission.store.inbox import AlreadyApplied, Receipt
-from intermission.store.runs import EndingRequested, Pause
 from intermission.wire import Command
 from tests.conftest import MakeStores, race
-from tests.support.factories import continuation, lease, paused_run, running_run
+from tests.support.factories import continuation, lease, paused_run, running_run, writes
 from tests.support.fleet import Worker, fast_settings, outbox_keys, start_command, worker
 from tests.support.inspect import Inspector, snapshot_for
 
@@ -109,13 +110,20 @@ def reply_receipt(message_id: str, cmd: ReplyCommand) -> Receipt:
     return Receipt.of(message_id, Command.REPLY.value, cmd)
 
 
+def handler(stores: Stores, held: Lease) -> Engine:
+    """An engine of its own over ``stores``, applying commands under ``held`` as a worker's handler does."""
+    return Engine.over(stores).under(lease=held)
+
+
 async def test_a_reply_reusing_a_message_id_with_another_body_is_message_id_conflict(
     stores: Stores, scope: Scope, w: Worker, db: Inspector
 ) -> None:
     s, pin = await agent_reply_pause(stores, scope, w)
     reply = ReplyCommand(scope=scope, version=pin, reply_with=s.pending[0].reply_with, input='"forty-two"')
     lease = w.fleet.lease()
-    claimed = await stores.commands.reply(reply, lease, receipt=reply_receipt("m-1", reply), correlation_id="m-1")
+    claimed = await handler(stores, lease).apply(
+        Reply(reply, receipt=reply_receipt("m-1", reply), correlation_id="m-1")
+    )
     assert claimed is not None
     w.fleet.submit(claimed)
     await w.drain()
@@ -126,10 +134,10 @@ async def test_a_reply_reusing_a_message_id_with_another_body_is_message_id_conf
     # reused idempotency key.
     other = reply.model_copy(update={"input": '"forty-three"'})
     with pytest.raises(MessageIdConflict):
-        await stores.commands.reply(other, lease, receipt=reply_receipt("m-1", other), correlation_id="m-1")
+        await handler(stores, lease).apply(Reply(other, receipt=reply_receipt("m-1", other), correlation_id="m-1"))
     # The very same reply again is the idempotent duplicate: acknowledged, no second execution, no refusal.
     with pytest.raises(AlreadyApplied):
-        await stores.commands.reply(reply, lease, receipt=reply_receipt("m-1", reply), correlation_id="m-1")
+        await handler(stores, lease).apply(Reply(reply, receipt=reply_receipt("m-1", reply), correlation_id="m-1"))
     assert await db.snapshot() == before
 
     # A message_id some other command used first is taken too.
@@ -144,7 +152,7 @@ async def test_a_reply_reusing_a_message_id_with_another_body_is_message_id_conf
     )
     before = await db.snapshot()
     with pytest.raises(MessageIdConflict):
-        await stores.commands.reply(third, lease, receipt=reply_receipt("m-3", third), correlation_id="m-3")
+        await handler(stores, lease).apply(Reply(third, receipt=reply_receipt("m-3", third), correlation_id="m-3"))
     assert await db.snapshot() == before
 
 
@@ -160,8 +168,8 @@ async def test_race_replies_sharing_a_message_id_admit_once_and_the_other_body_i
     lease = w.fleet.lease()
 
     async def one(i: int) -> Claimed | None:
-        return await contenders[i].commands.reply(
-            bodies[i], lease, receipt=reply_receipt("m-shared", bodies[i]), correlation_id="m-shared"
+        return await handler(contenders[i], lease).apply(
+            Reply(bodies[i], receipt=reply_receipt("m-shared", bodies[i]), correlation_id="m-shared")
         )
 
     results = await race(len(bodies), one)
@@ -200,7 +208,10 @@ async def test_a_reply_queued_behind_a_rival_with_its_message_id_is_message_id_c
     lease = w.fleet.lease()
 
     async def reply(body: ReplyCommand) -> Claimed | None:
-        return await stores.commands.reply(body, lease, receipt=reply_receipt("m-shared", body), correlation_id="m")
+        # An engine of its own for each reply: each meets the row lock in a statement of its own.
+        return await handler(stores, lease).apply(
+            Reply(body, receipt=reply_receipt("m-shared", body), correlation_id="m")
+        )
 
     waiting_on_the_row = (
         "SELECT count(*) = $1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
@@ -245,12 +256,12 @@ async def test_a_cancel_racing_a_repause_is_retried_against_the_new_pause(
     try:
         await db.con.execute("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE", cmd.run_id)
         cancelling = asyncio.create_task(
-            stores.commands.cancel(CancelCommand(scope=scope, run_id=cmd.run_id, reason="stop"), w.fleet.lease())
+            handler(stores, w.fleet.lease()).apply(Cancel(CancelCommand(scope=scope, run_id=cmd.run_id, reason="stop")))
         )
-        # The cancel's claim (store/queries/suspensions.sql, claim_pause) waits on the row lock: it has read S1.
+        # The cancel's claim (store/queries/engine.sql, claim_pauses_v2) waits on the row lock: it has read S1.
         await db.wait_until(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
-            " AND wait_event_type = 'Lock' AND query LIKE 'SELECT c.outcome,%')"
+            " AND wait_event_type = 'Lock' AND query LIKE '%intermission_claim_pauses_v2%')"
         )
         # Meanwhile the run is claimed and paused again, on a new pause.
         await db.con.execute("UPDATE suspensions SET id = nextval('suspension_ids') WHERE run_id = $1", cmd.run_id)
@@ -332,10 +343,10 @@ async def test_a_cancel_of_a_run_held_by_a_plain_claim_is_not_suspended_and_touc
     """Scenario 31: the original's plain claim holds no lease, so nobody here could end the run; the run is
     its claimer's."""
     p = await paused_run(stores, scope)
-    await stores.at(scope).suspensions.claim_suspension(p.run.id)
+    await writes(stores, scope).suspensions.claim_suspension(p.run.id)
     before = await db.snapshot()
     with pytest.raises(NotSuspended):
-        await stores.commands.cancel(CancelCommand(scope=scope, run_id=p.run.id), lease())
+        await handler(stores, lease()).apply(Cancel(CancelCommand(scope=scope, run_id=p.run.id)))
     assert await db.snapshot() == before
 
 
@@ -343,10 +354,10 @@ async def test_a_cancel_of_a_running_run_is_recorded_once_and_a_second_is_acknow
     stores: Stores, scope: Scope, db: Inspector
 ) -> None:
     run, held = await running_run(stores, scope)
-    await stores.at(scope).progress.save_progress(snapshot_for(run.id, held.owner))
+    await writes(stores, scope).progress.save_progress(snapshot_for(run.id, held.owner))
     cancel = CancelCommand(scope=scope, run_id=run.id, reason="first")
     receipt = Receipt.of("c-1", Command.CANCEL.value, cancel)
-    assert await stores.commands.cancel(cancel, lease(), receipt=receipt) is None
+    assert await handler(stores, lease()).apply(Cancel(cancel, receipt=receipt)) is None
     # Kept on the run (the fence every writer of it meets) and in its snapshot (what a takeover finishes).
     assert json.loads(await db.con.fetchval("SELECT ending FROM runs WHERE id = $1", run.id)) == {
         "kind": "cancel",
@@ -356,26 +367,27 @@ async def test_a_cancel_of_a_running_run_is_recorded_once_and_a_second_is_acknow
         kind=EndingKind.CANCEL, reason="first"
     )
     # The holder, not knowing yet, saves: its snapshot cannot take the request back, and it is told.
-    saved = await stores.at(scope).progress.save_progress(snapshot_for(run.id, held.owner, step=3))
+    saved = await writes(stores, scope).progress.save_progress(snapshot_for(run.id, held.owner, step=3))
     assert saved.ending == Ending(kind=EndingKind.CANCEL, reason="first")
     assert (await stores.at(scope).progress.get_progress(run.id)).ending == saved.ending
     # Nor can it pause or complete now: it must end the run cancelled.
     with pytest.raises(EndingRequested):
-        await stores.at(scope).runs.pause_run(
+        await writes(stores, scope).runs.pause_run(
             run.id, held.owner, Pause(SuspendReason.EXTERNAL_TOOL, [PendingCall(id="c", name="lookup")], continuation())
         )
     with pytest.raises(EndingRequested):
-        await stores.at(scope).runs.end_run(run.id, held.owner, RunEventKind.COMPLETED, output="done anyway")
+        await writes(stores, scope).runs.end_run(run.id, held.owner, RunEventKind.COMPLETED, output="done anyway")
     # The same command again is a duplicate; another cancel is acknowledged with nothing more to ask.
     before = await db.snapshot()
     with pytest.raises(AlreadyApplied):
-        await stores.commands.cancel(cancel, lease(), receipt=receipt)
+        await handler(stores, lease()).apply(Cancel(cancel, receipt=receipt))
     second = cancel.model_copy(update={"reason": "second"})
     assert (
-        await stores.commands.cancel(second, lease(), receipt=Receipt.of("c-2", Command.CANCEL.value, second)) is None
+        await handler(stores, lease()).apply(Cancel(second, receipt=Receipt.of("c-2", Command.CANCEL.value, second)))
+        is None
     )
     after = await db.snapshot()
     assert {k: v for k, v in after.items() if k != "inbox"} == {k: v for k, v in before.items() if k != "inbox"}
-    await stores.at(scope).runs.end_run(run.id, held.owner, RunEventKind.CANCELLED, error="first")
+    await writes(stores, scope).runs.end_run(run.id, held.owner, RunEventKind.CANCELLED, error="first")
     ended = await stores.at(scope).runs.get_run(run.id)
     assert (ended.state, ended.ending) == (RunState.CANCELLED, None)

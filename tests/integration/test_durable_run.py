@@ -18,6 +18,8 @@ import pytest
 from intermission import points
 from intermission.agent.durable import OUTCOME_UNKNOWN, CallFailed, DurableRun, Limit, ModelTurn, Ran, Waiting
 from intermission.agent.executor import RunContext
+from intermission.engine.core import Engine
+from intermission.engine.observer import CrashPoints
 from intermission.schemas.config import Budget, PublicationPolicy, RunConfig
 from intermission.schemas.llm import Message, Role, ToolCall, ToolOutcome, Usage
 from intermission.schemas.run import Ending, EndingKind, Lease, NewRun, RunState
@@ -25,6 +27,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, PendingCall, Progress, ProgressResult, SuspendReason
 from intermission.store import Stores
 from tests.integration.test_runaway import counted, progress_writes
+from tests.support.factories import writes
 from tests.support.inspect import Inspector
 
 __all__ = ["counted"]  # the fixture, used by name
@@ -49,7 +52,9 @@ Open = Callable[..., Awaitable[tuple[DurableRun, RunContext]]]
 @pytest.fixture
 def open_run(stores: Stores, scope: Scope) -> Open:
     """A running run under a live lease, and the DurableRun over its context: from a fresh start, or from
-    the snapshot ``first`` (a claim's or a takeover's)."""
+    the snapshot ``first`` (a claim's or a takeover's). Its engine passes the crash points the run reaches
+    on to the process's point observer (``reached``), as a worker's does."""
+    engine = Engine.over(stores, observer=CrashPoints())
 
     async def make(
         config: RunConfig | None = None,
@@ -75,8 +80,8 @@ def open_run(stores: Stores, scope: Scope) -> Open:
             ending=ending,
         )
         new = NewRun(run_id=run_id, agent_id="demo", input="hello", config=config)
-        created = await stores.at(scope).runs.create_run(new, lease, first)
-        ctx = RunContext(stores, created.run, first, lease, correlation_id=None, stopping=asyncio.Event())
+        created = await writes(stores, scope, engine).runs.create_run(new, lease, first)
+        ctx = RunContext(engine, created.run, first, lease, correlation_id=None, stopping=asyncio.Event())
         return DurableRun(ctx, executor="test", keeps_results=keeps_results, framework_limits=framework_limits), ctx
 
     return make

@@ -22,6 +22,11 @@ import pytest
 from click.testing import CliRunner, Result
 
 from intermission.agent.executor import RunContext
+from intermission.engine.commands import Start
+from intermission.engine.core import Engine
+from intermission.engine.holding import ReclaimLapsed
+from intermission.engine.starts import Quota, RunDefaults
+from intermission.engine.transition import Applicable
 from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker, running_worker
@@ -33,12 +38,10 @@ from intermission.schemas.errors import LimitExceeded, QuotaExceeded
 from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
-from intermission.store.commands import RunDefaults
 from intermission.store.inbox import AlreadyApplied, Receipt
 from intermission.store.quotas import set_quota
-from intermission.store.runs import Quota
 from intermission.wire import EVENTS_EXCHANGE, Command
-from tests.conftest import race
+from tests.conftest import MakeStores, race
 from tests.integration.test_messaging import LOOKUP, one_run_served, start
 from tests.integration.test_operator_cli import env_of, parsed
 from tests.support.amqp import Broker, CaptureFactory, Vhost
@@ -139,15 +142,15 @@ async def test_a_start_leaving_the_token_budgets_unset_is_given_the_ceilings_and
 
 
 class StoresStart:
-    """The start transition, as a worker's handler calls it."""
+    """The start operation, as a worker's handler applies it: through an engine over ``stores``, under a
+    lease and the fleet's defaults."""
 
     def __init__(self, stores: Stores) -> None:
         self.stores = stores
 
     async def start(self, cmd: StartCommand, defaults: RunDefaults) -> Any:
-        return await self.stores.commands.start(
-            cmd, defaults, lease(), receipt=Receipt.of(f"m-{cmd.run_id}", "run.start", cmd)
-        )
+        engine = Engine.over(self.stores).under(lease=lease(), defaults=defaults)
+        return await engine.apply(Start(cmd, Receipt.of(f"m-{cmd.run_id}", "run.start", cmd)))
 
 
 async def test_a_scope_at_its_live_runs_quota_is_refused_and_another_scope_is_not(
@@ -190,10 +193,13 @@ async def test_a_scope_past_its_starts_a_second_is_refused_and_a_repeat_is_still
 
 
 async def test_starts_racing_at_the_quota_from_many_connections_never_pass_it(
-    stores: Stores, scope: Scope, db: Inspector
+    stores: Stores, make_stores: MakeStores, scope: Scope, db: Inspector
 ) -> None:
     await set_quota(stores.db, scope, live_runs=5, starts_per_second=None)
-    results = await race(20, lambda i: StoresStart(stores).start(start(scope, LOOKUP), DEFAULTS))
+    # Each contender on a connection of its own, with an engine of its own: one engine would group commit
+    # the starts into one statement, a sequence rather than a race.
+    contenders = await make_stores(20)
+    results = await race(20, lambda i: StoresStart(contenders[i]).start(start(scope, LOOKUP), DEFAULTS))
     refused = [r for r in results if isinstance(r, QuotaExceeded)]
     assert len(refused) == 15, results
     assert all(not isinstance(r, BaseException) for r in results if not isinstance(r, QuotaExceeded))
@@ -330,15 +336,16 @@ async def test_a_takeover_holds_its_places_from_its_claim_so_no_command_takes_th
     runs = [(await running_run(stores, scope, holder=held_by("a-worker-that-died", ttl=0.2)))[0] for _ in range(2)]
     await db.con.execute("UPDATE runs SET lease_expires_at = now() WHERE id = ANY($1::text[])", [r.id for r in runs])
     claimed, handed_over = asyncio.Event(), asyncio.Event()
-    claim = stores.across_scopes.reclaim_lapsed
+    apply = fleet.engine.apply
 
-    async def claim_then_wait(owner: Lease, batch: int) -> Any:
-        taken = await claim(owner, batch)
-        claimed.set()
-        await handed_over.wait()
+    async def claim_then_wait(work: Applicable[Any]) -> Any:
+        taken = await apply(work)
+        if isinstance(work, ReclaimLapsed):
+            claimed.set()
+            await handed_over.wait()
         return taken
 
-    monkeypatch.setattr(stores.across_scopes, "reclaim_lapsed", claim_then_wait)
+    monkeypatch.setattr(fleet.engine, "apply", claim_then_wait)
     sweep = asyncio.create_task(fleet.reclaim_once())
     await asyncio.wait_for(claimed.wait(), WAIT)
     # Both runs are this worker's in the database and not yet running here: their places are taken, so a

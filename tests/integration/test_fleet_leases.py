@@ -10,6 +10,8 @@ import asyncpg
 import pytest
 
 from intermission.agent.executor import RunContext
+from intermission.engine.core import Engine
+from intermission.engine.runs import Pause
 from intermission.fleet.lease import LeaseKeeper
 from intermission.fleet.supervisor import Supervisor
 from intermission.schemas.errors import RunLeaseLost
@@ -19,8 +21,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import PendingCall, Progress, SuspendReason
 from intermission.store import Stores
 from intermission.store.leases import LeaseLine
-from intermission.store.runs import Pause
-from tests.support.factories import continuation, running_run
+from tests.support.factories import continuation, running_run, writes
 from tests.support.fleet import charges, fast_settings, start_command, worker
 from tests.support.waiting import eventually
 
@@ -55,11 +56,13 @@ async def lapse(stores: Stores, run_id: str) -> None:
         await con.raw.execute("UPDATE runs SET lease_expires_at = now() WHERE id = $1", run_id)
 
 
-async def test_a_worker_whose_lease_was_taken_over_writes_nothing_more(stores: Stores, scope: Scope) -> None:
+async def test_a_worker_whose_lease_was_taken_over_writes_nothing_more(
+    stores: Stores, engine: Engine, scope: Scope
+) -> None:
     old = Lease(owner="worker-old", ttl_seconds=30)
     run, _ = await running_run(stores, scope, holder=old)
     ctx = RunContext(
-        stores,
+        engine,
         run,
         Progress(run_id=run.id, owner=old.owner, continuation=continuation()),
         old,
@@ -70,7 +73,7 @@ async def test_a_worker_whose_lease_was_taken_over_writes_nothing_more(stores: S
 
     await lapse(stores, run.id)
     new = Lease(owner="worker-new", ttl_seconds=30)
-    await stores.at(scope).runs.claim_continuation_leased(
+    await writes(stores, scope).runs.claim_continuation_leased(
         run.id, new, Progress(run_id=run.id, owner=new.owner, continuation=continuation(step=3))
     )
     before = await table_state(stores, run.id)
@@ -90,7 +93,7 @@ async def test_a_worker_whose_lease_was_taken_over_writes_nothing_more(stores: S
             await write
     # And the database agrees even for a context that did not know yet.
     fresh_ctx = RunContext(
-        stores, run, Progress(run_id=run.id, owner=old.owner), old, correlation_id=None, stopping=asyncio.Event()
+        engine, run, Progress(run_id=run.id, owner=old.owner), old, correlation_id=None, stopping=asyncio.Event()
     )
     with pytest.raises(RunLeaseLost):
         await fresh_ctx.complete("stolen")
@@ -133,7 +136,7 @@ async def test_the_keeper_renews_and_reports_a_lost_lease(stores: Stores, scope:
     assert not lost.is_set()
 
     await lapse(stores, run.id)
-    await stores.at(scope).runs.claim_continuation_leased(run.id, Lease(owner="thief", ttl_seconds=30))
+    await writes(stores, scope).runs.claim_continuation_leased(run.id, Lease(owner="thief", ttl_seconds=30))
     async with asyncio.timeout(10):
         await lost.wait()
     assert keeper.held == 0
@@ -271,7 +274,7 @@ async def test_a_lost_lease_cancels_the_run_in_the_fleet(stores: Stores, scope: 
     task = next(iter(w.fleet._tasks.values()))
     await eventually(lambda: in_first_step(stores, scope, cmd.run_id), what="the sleep step began")
     await lapse(stores, cmd.run_id)
-    await stores.at(scope).runs.claim_continuation_leased(cmd.run_id, Lease(owner="thief", ttl_seconds=30))
+    await writes(stores, scope).runs.claim_continuation_leased(cmd.run_id, Lease(owner="thief", ttl_seconds=30))
     before = await table_state(stores, cmd.run_id)
     async with asyncio.timeout(10):
         await task  # cancelled by its keeper, not by the 30 s sleep ending

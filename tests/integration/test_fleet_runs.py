@@ -10,6 +10,7 @@ from datetime import datetime
 
 import pytest
 
+from intermission.engine.commands import StaleExpiry
 from intermission.schemas.answers import reply_progress
 from intermission.schemas.commands import (
     CancelCommand,
@@ -35,6 +36,7 @@ from intermission.schemas.run import Lease, RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, SuspendReason, Suspension
 from intermission.store import Stores
+from tests.support.factories import writes
 from tests.support.fleet import (
     Worker,
     charges,
@@ -354,9 +356,12 @@ async def test_expire_fails_the_run_with_a_reason_naming_the_deadline(
         assert s.expires_at is not None
         async with stores.db.connection() as con:
             now = await con.raw.fetchval("SELECT now()")
-        # Not expired by now: the expiry claim finds nothing and nothing moves.
-        with pytest.raises(NotSuspended):
+        # Not expired by now: the expiry claim finds nothing and nothing moves (a stale expiry, which the
+        # consumer acknowledges: its claim was refused NotSuspended).
+        with pytest.raises(StaleExpiry) as stale:
             await w.control.expire(ExpireCommand(scope=scope, version=version(s, revision), expired_by=now))
+        assert isinstance(stale.value.__cause__, NotSuspended)
+        assert await pause_of(stores, scope, cmd.run_id) == (s, revision)
         await wait_for_db_clock(stores, s.expires_at)
         await w.control.expire(ExpireCommand(scope=scope, version=version(s, revision), expired_by=s.expires_at))
         await w.drain()
@@ -428,7 +433,7 @@ async def test_a_reply_admitted_by_a_worker_that_died_before_starting_is_started
     first = reply_progress(s, s.pending[0].reply_with, '"the answer"', dead.owner)
     request = ResumeAdmissionRequest(scope=scope, version=version(s, revision), input=b'"the answer"')
     # The admission committed (claim, lease, snapshot) and then its worker died: no start was granted.
-    await stores.at(scope).resume.admit_resume_leased(request, dead, first)
+    await writes(stores, scope).resume.admit_resume_leased(request, dead, first)
 
     await w.drain(wait_for_lapsed=True)
 

@@ -1,22 +1,25 @@
-"""Group commit (consumers/batching.py): commands that arrive together are applied in one transaction, and
+"""Group commit (engine/committer.py): commands that arrive together are applied in one statement, and
 every guarantee of a single command still holds per command.
 
 To put many commands into ONE batch deterministically, a test holds the row lock of a "blocker" run: the
-worker's only batch (``command_batches_in_flight = 1``) waits on it in its claim, and the commands
-published meanwhile gather for the next batch. The test waits until the worker holds all of them, then
-lets the lock go.
+worker's only batch of claims (``command_batches_in_flight = 1``) waits on it, and the claims of the
+commands published meanwhile gather for the next batch. The test waits until the worker holds all of them,
+then lets the lock go.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from intermission.engine.claims import CLAIM, ClaimRow
+from intermission.engine.commands import Claimed, Resume
+from intermission.engine.committer import Batch
+from intermission.engine.postgres import PostgresCommitter
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker
 from intermission.publishers.clients import HostClient, Received, Subscription
@@ -28,7 +31,6 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import ClaimVersion, Notice
 from intermission.store import Stores
-from intermission.store.commands import Claimed
 from intermission.store.inbox import AlreadyApplied, Receipt
 from intermission.wire import Command
 from tests.support.batches import answer, held_back, one_batch_at_a_time
@@ -99,8 +101,7 @@ async def test_thirty_two_resumes_of_one_pause_in_one_batch_claim_it_once(
         rejected = await events.until(rejected_of(set(ids)), len(ids) - 1)
         await events.until(completed_of({target.run_id}), 1)
         await w.drain()
-        assert w.consumers.batches is not None
-        assert max(w.consumers.batches.sizes) == 32  # the contenders went together
+        assert max(w.fleet.engine.scheduler.sizes(CLAIM)) == 32  # the contenders went together
 
     assert {r.event.code for r in rejected} <= {"not_suspended", "run_conflict"}
     winners = set(ids) - {r.event.message_id for r in rejected}
@@ -132,8 +133,7 @@ async def test_one_message_delivered_many_times_within_one_batch_has_one_effect_
             await gathered(10)
         await events.until(completed_of({target.run_id}), 1)
         await w.drain()
-        assert w.consumers.batches is not None
-        assert max(w.consumers.batches.sizes) == 10
+        assert max(w.fleet.engine.scheduler.sizes(CLAIM)) == 10
 
     async with stores.db.connection() as con:
         assert await con.raw.fetchval("SELECT count(*) FROM inbox WHERE message_id = $1", message_id) == 1
@@ -160,12 +160,13 @@ async def test_a_batch_with_refusals_applies_every_other_command(
             bad_ids = {await host.resume(wrong_pause), await host.resume(unknown)}
             for cmd in good:
                 await host.resume(cmd)
-            await gathered(len(good) + len(bad_ids))
+            # The two refused ones are refused by their own checks, against what their reads found: only the
+            # good ones get as far as a claim, and those wait together.
+            await gathered(len(good))
         rejected = await events.until(rejected_of(bad_ids), len(bad_ids))
         await events.until(completed_of({n.run_id for n in targets}), len(targets))
         await w.drain()
-        assert w.consumers.batches is not None
-        assert max(w.consumers.batches.sizes) == len(good) + len(bad_ids)
+        assert max(w.fleet.engine.scheduler.sizes(CLAIM)) == len(good)
 
     assert sorted(r.event.code for r in rejected) == ["not_suspended", "run_conflict"]
     for n in targets:
@@ -190,27 +191,30 @@ async def test_a_batch_acknowledges_its_applied_deliveries_with_one_frame(
             frames, acknowledged = acks.frames, acks.acknowledged
         await events.until(completed_of({n.run_id for n in targets}), len(targets))
         await w.drain()
-        # Every earlier delivery of the channel (the starts, the blocker's resume) was settled before the
-        # batch's acknowledgement, so the six were its lowest unsettled tags: one frame for all six.
-        assert acks.acknowledged - acknowledged == len(targets)
-        assert acks.frames - frames == 1
+        # Once the lock goes, the blocker's claim commits alone and its delivery is acknowledged (one frame);
+        # the six's claims go in the next statement (one batch at a time), so every earlier delivery of the
+        # channel (the starts, the blocker's resume) was settled before theirs, and the six were its lowest
+        # unsettled tags: one frame for all six.
+        assert acks.acknowledged - acknowledged == len(targets) + 1
+        assert acks.frames - frames == 2
 
 
-async def test_answer_all_decides_each_command_on_its_own_in_one_statement(
+async def test_apply_all_decides_each_command_on_its_own_in_one_statement(
     stores: Stores, scope: Scope, worker: Worker, host: HostClient
 ) -> None:
     async with host.subscribe(scope) as subscription:
         events = Heard(subscription)
         first, second, third = await pause_all(host, events, scope, 3)
-    lease = worker.fleet.lease()
-    commands = stores.commands
+    engine = worker.fleet.engine
+    lease = engine.lease
+    claims_before = len(engine.scheduler.sizes(CLAIM))
 
-    def resume(notice: Notice, message_id: str, **version: Any) -> Any:
+    def resume(notice: Notice, message_id: str, **version: Any) -> Resume:
         cmd = answer(notice)
         if version:
             cmd = cmd.model_copy(update={"version": ClaimVersion(**(cmd.version.model_dump() | version))})
         receipt = Receipt.of(message_id, Command.RESUME.value, cmd)
-        return commands.resume_request(cmd, lease, receipt=receipt, correlation_id=message_id)
+        return Resume(cmd, receipt=receipt, correlation_id=message_id)
 
     requests = [
         resume(first, "m-first"),
@@ -219,7 +223,9 @@ async def test_answer_all_decides_each_command_on_its_own_in_one_statement(
         resume(second, "m-second"),  # the same message twice in one batch: a duplicate
         resume(third, "m-third", suspension_id=third.suspension_id + 1000),  # pinned to another pause
     ]
-    outcomes = await commands.answer_all(requests)
+    outcomes = await engine.apply_all(requests)
+    # The four that passed their checks were claimed together, in one statement.
+    assert engine.scheduler.sizes(CLAIM)[claims_before:] == [4]
     claimed = [o for o in outcomes if isinstance(o, Claimed)]
     assert [c.run.id for c in claimed] == [first.run_id, second.run_id]
     assert isinstance(outcomes[2], NotSuspended | RunConflict)
@@ -241,27 +247,49 @@ async def test_answer_all_decides_each_command_on_its_own_in_one_statement(
     assert third_run["revision"] == third.run_revision
 
 
+def claim_row(notice: Notice, message_id: str, owner: str, ttl: float) -> ClaimRow:
+    """A command's claim of ``notice``'s pause as the committer sends it, with its inbox record."""
+    cmd = answer(notice)
+    receipt = Receipt.of(message_id, Command.RESUME.value, cmd)
+    return ClaimRow(
+        notice.run_id, notice.scope.app, notice.scope.tenant, notice.suspension_id, notice.run_revision, None,
+        None, owner, ttl, False, None, None, None, None, None, True, receipt.message_id, receipt.routing_key,
+        receipt.body_digest, None, None, None, None, None, None, None, None, None, False,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("size", [2, 24])
-async def test_answer_all_of_a_batch_that_raises_writes_nothing(
+async def test_a_claim_statement_that_raises_writes_nothing_and_each_claim_then_goes_alone(
     stores: Stores, scope: Scope, worker: Worker, host: HostClient, size: int
 ) -> None:
     """A claim that raises (here: a lease with a ttl the database refuses) fails the whole statement, and
-    nothing of any claim in it stays."""
+    nothing of any claim in it stays; the committer then applies each alone, so only that one fails."""
     async with host.subscribe(scope) as subscription:
         events = Heard(subscription)
         notices = await pause_all(host, events, scope, size)
     lease = worker.fleet.lease()
-    requests = [
-        stores.commands.resume_request(
-            answer(n), lease, receipt=Receipt.of(f"m-{i}", Command.RESUME.value, answer(n)), correlation_id=None
-        )
-        for i, n in enumerate(notices)
-    ]
-    bad_lease = lease.model_copy(update={"ttl_seconds": float("inf")})
-    requests[0] = dataclasses.replace(requests[0], lease=bad_lease)
+    rows = [claim_row(n, f"m-{i}", lease.owner, lease.ttl_seconds) for i, n in enumerate(notices)]
+    rows[0] = rows[0]._replace(lease_ttl=float("inf"))
     with pytest.raises(Exception):  # noqa: B017, PT011 - the database's error, whatever its class
-        await stores.commands.answer_all(requests)
+        await PostgresCommitter(stores.db).commit(Batch(CLAIM, rows), lambda outs: outs)
     async with stores.db.connection() as con:
         assert await con.raw.fetchval("SELECT count(*) FROM inbox WHERE message_id LIKE 'm-%'") == 0
         states = await con.raw.fetch("SELECT state FROM runs WHERE id = ANY($1)", [n.run_id for n in notices])
     assert {r["state"] for r in states} == {"paused"}
+
+    # Through the engine, the same batch: the statement fails, then each claim goes alone, with its own
+    # outcome (the bad lease's error; every other one claimed).
+    engine = worker.fleet.engine
+    bad = lease.model_copy(update={"ttl_seconds": float("inf")})
+    operations = [
+        engine.under(lease=bad if i == 0 else lease).apply(
+            Resume(answer(n), receipt=Receipt.of(f"m-{i}", Command.RESUME.value, answer(n)))
+        )
+        for i, n in enumerate(notices)
+    ]
+    outcomes = await asyncio.gather(*operations, return_exceptions=True)
+    assert isinstance(outcomes[0], Exception)
+    assert all(isinstance(o, Claimed) for o in outcomes[1:])
+    async with stores.db.connection() as con:
+        recorded = await con.raw.fetch("SELECT message_id FROM inbox WHERE message_id LIKE 'm-%'")
+    assert {r["message_id"] for r in recorded} == {f"m-{i}" for i in range(1, size)}

@@ -1,13 +1,18 @@
-"""Events published from memory after their commit (store/db.py ``hand_over_to``, publishers/relay.py
-``hand_over``, migrations 0009 and 0012): a pause's Notice, a claim's run.resumed and an end's run.* event
-go to their worker's hand-over, their rows are held from the relays meanwhile, and are marked sent once
-confirmed; rows of a database that hands nothing over are not held."""
+"""Events published from memory after their commit (the engine's ``EventSink``, publishers/relay.py
+``hand_over``, migrations 0009 and 0016): a pause's Notice, a claim's run.resumed and an end's run.* event
+go to their worker's sink, their rows are held from the relays meanwhile, and are marked sent once
+confirmed; rows of an engine that hands nothing over are not held."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from datetime import timedelta
 
+from intermission.engine.commands import Resume
+from intermission.engine.core import Engine
+from intermission.engine.events import OutboxEvent
+from intermission.engine.runs import EndRun
 from intermission.fleet.worker import Worker
 from intermission.publishers.clients import HostClient
 from intermission.schemas.commands import ResumeCommand, ToolAnswer
@@ -16,7 +21,6 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Notice
 from intermission.store import Stores
 from intermission.store.inbox import Receipt
-from intermission.store.outbox import OutboxEvent
 from intermission.wire import Command
 from tests.support.factories import lease, paused_run
 
@@ -24,31 +28,55 @@ WAIT = 20.0
 HOLD = 30.0
 
 
+class Commits:
+    """An event sink that keeps each commit's events apart, holding their rows ``hold`` seconds."""
+
+    def __init__(self, hold: float) -> None:
+        self.hold = hold
+        self.commits: list[list[OutboxEvent]] = []
+
+    @property
+    def hold_seconds(self) -> float | None:
+        return self.hold
+
+    def committed(self, events: Sequence[OutboxEvent]) -> None:
+        self.commits.append(list(events))
+
+
 async def test_a_pause_a_claim_and_an_end_hand_their_events_over_and_hold_their_rows_from_the_relays(
     stores: Stores, scope: Scope
 ) -> None:
-    handed: list[list[OutboxEvent]] = []
-    stop = stores.db.hand_over_to(handed.append, hold_seconds=HOLD)
+    sink = Commits(HOLD)
+    engine = Engine.over(stores)
+    stop = engine.hand_events_to(sink)
     try:
-        p = await paused_run(stores, scope)
+        p = await paused_run(stores, scope, through=engine)
         cmd = ResumeCommand(
             scope=scope,
             version=ClaimVersion(run_id=p.run.id, suspension_id=p.suspension.id, run_revision=p.revision),
             results=[ToolAnswer(call_id="c1", content="42")],
         )
-        claimed = await stores.commands.resume(
-            cmd, lease(), receipt=Receipt.of("m-1", Command.RESUME.value, cmd), correlation_id="m-1"
+        claimed = await engine.under(lease=lease()).apply(
+            Resume(cmd, receipt=Receipt.of("m-1", Command.RESUME.value, cmd), correlation_id="m-1")
         )
-        ended = await stores.at(scope).runs.end_run(
-            p.run.id, claimed.run.lease_owner or "", RunEventKind.COMPLETED, output="done", correlation_id="m-1"
+        ended = await engine.apply(
+            EndRun(
+                scope,
+                p.run.id,
+                claimed.run.lease_owner or "",
+                claimed.run.revision,
+                RunEventKind.COMPLETED,
+                output="done",
+                correlation_id="m-1",
+            )
         )
     finally:
         stop()
     # A statement of the same pool once the hand-over stopped: its row is not held.
-    other = await paused_run(stores, scope)
+    other = await paused_run(stores, scope, through=engine)
     assert claimed.run.id == p.run.id
     # One commit, one event each: the pause's Notice, the claim's run.resumed, the end's run.completed.
-    ((notice,), (resumed,), (completed,)) = handed
+    ((notice,), (resumed,), (completed,)) = sink.commits
     assert notice.routing_key == f"notice.external_tool.{scope.app}.{scope.tenant}"
     assert Notice.model_validate_json(notice.body).suspension_id == p.suspension.id  # completed by its commit
     assert resumed.routing_key == f"run.resumed.{scope.app}.{scope.tenant}"
@@ -99,7 +127,8 @@ async def test_a_workers_events_are_published_from_memory_and_marked_sent(
     stores: Stores, scope: Scope, worker: Worker, host: HostClient
 ) -> None:
     before = worker.relay.handed
-    p = await paused_run(stores, scope)  # the test's store is the worker's: its Notice is handed over too
+    # Through the worker's engine: its Notice is handed over too.
+    p = await paused_run(stores, scope, through=worker.fleet.engine)
     heard: list[str | None] = []
     async with host.subscribe(scope) as events:
         await host.resume(

@@ -18,6 +18,9 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
+from intermission.engine.commands import Cancel, Decide, Expire, Reply, Resume, Start
+from intermission.engine.core import Engine
+from intermission.engine.starts import RunDefaults
 from intermission.schemas.commands import (
     CancelCommand,
     DecideCommand,
@@ -32,13 +35,12 @@ from intermission.schemas.errors import InvalidArgument, MessageIdConflict, NotS
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import PendingCall, SuspendReason
 from intermission.store import Stores, migrate
-from intermission.store.commands import RunDefaults
 from intermission.store.inbox import AlreadyApplied, Receipt
 from intermission.store.migrate import ensure_database
 from intermission.wire import Command
 from tests.conftest import MakeStores, race
 from tests.support import pg
-from tests.support.factories import lease, paused_run, running_run
+from tests.support.factories import lease, paused_run, running_run, writes
 from tests.support.inspect import FAR_FUTURE, Inspector, pin, unexpected, winners
 
 SHARED_ID = "m-shared"
@@ -69,21 +71,22 @@ class Case:
 
 
 async def apply(stores: Stores, kind: Command, body: Any, receipt: Receipt) -> object:
-    """``body`` applied as a command of ``kind`` through the command store, as its consumer applies it."""
-    c = stores.commands
+    """``body`` applied as a command of ``kind`` through an engine over ``stores``, as its consumer applies it:
+    under a worker's lease and the fleet's defaults."""
+    engine = Engine.over(stores).under(lease=lease(), defaults=DEFAULTS)
     match kind:
         case Command.START:
-            return await c.start(body, DEFAULTS, lease(), receipt=receipt)
+            return await engine.apply(Start(body, receipt=receipt))
         case Command.RESUME:
-            return await c.resume(body, lease(), receipt=receipt)
+            return await engine.apply(Resume(body, receipt=receipt))
         case Command.DECIDE:
-            return await c.decide(body, lease(), principal="alice", receipt=receipt)
+            return await engine.apply(Decide(body, principal="alice", receipt=receipt))
         case Command.REPLY:
-            return await c.reply(body, lease(), receipt=receipt)
+            return await engine.apply(Reply(body, receipt=receipt))
         case Command.EXPIRE:
-            return await c.expire(body, lease(), receipt=receipt)
+            return await engine.apply(Expire(body, receipt=receipt))
         case Command.CANCEL:
-            return await c.cancel(body, lease(), receipt=receipt)
+            return await engine.apply(Cancel(body, receipt=receipt))
 
 
 async def case_of(kind: Command, stores: Stores, db: Inspector, scope: Scope) -> Case:
@@ -233,7 +236,7 @@ async def test_a_refusal_in_one_scope_removes_only_its_own_record(stores: Stores
     assert await recorded(db, SHARED_ID) == held
     # A cancel of a run the original's plain claim holds: nobody here can end it (intermission_request_ending_v1).
     plain = await paused_run(stores, here)
-    await stores.at(here).suspensions.claim_suspension(plain.run.id)
+    await writes(stores, here).suspensions.claim_suspension(plain.run.id)
     cancel = CancelCommand(scope=here, run_id=plain.run.id)
     with pytest.raises(NotSuspended):
         await apply(stores, Command.CANCEL, cancel, Receipt.of(SHARED_ID, Command.CANCEL.value, cancel))

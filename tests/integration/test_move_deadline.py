@@ -13,7 +13,7 @@ from intermission.schemas.errors import InvalidArgument, NotSuspended, RunConfli
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
 from intermission.store.retention import Pruner, Retention
-from tests.support.factories import paused_run, running_run
+from tests.support.factories import paused_run, running_run, writes
 from tests.support.inspect import Inspector
 
 HOUR = 3600.0
@@ -24,7 +24,7 @@ async def test_extend_moves_the_deadline_later_and_records_who_did(stores: Store
     assert p.suspension.expires_at is not None
     before = await db.snapshot()
 
-    moved = await stores.at(scope).suspensions.move_deadline(
+    moved = await writes(stores, scope).suspensions.move_deadline(
         p.run.id, p.suspension.id, extend_by=2 * HOUR, moved_by="alice"
     )
 
@@ -57,7 +57,9 @@ async def test_extend_of_a_pause_without_deadline_counts_from_now(stores: Stores
     p = await paused_run(stores, scope, ttl_seconds=0)
     assert p.suspension.expires_at is None
     now = await db.now()
-    moved = await stores.at(scope).suspensions.move_deadline(p.run.id, p.suspension.id, extend_by=60, moved_by="op")
+    moved = await writes(stores, scope).suspensions.move_deadline(
+        p.run.id, p.suspension.id, extend_by=60, moved_by="op"
+    )
     assert moved.previous is None
     assert now + timedelta(seconds=59) < moved.expires_at < now + timedelta(seconds=120)
 
@@ -66,7 +68,7 @@ async def test_expire_moves_the_deadline_to_now_so_a_resume_is_refused_and_an_ex
     stores: Stores, db: Inspector, scope: Scope
 ) -> None:
     p = await paused_run(stores, scope, ttl_seconds=HOUR)
-    suspensions = stores.at(scope).suspensions
+    suspensions = writes(stores, scope).suspensions
     moved = await suspensions.move_deadline(p.run.id, p.suspension.id, extend_by=None, moved_by="op")
     assert moved.expires_at <= await db.now()
     with pytest.raises(SuspensionExpired):
@@ -85,16 +87,20 @@ async def test_a_run_without_live_pause_or_on_another_pause_is_refused_and_nothi
     p = await paused_run(stores, scope, ttl_seconds=HOUR)
     before = await db.snapshot()
     with pytest.raises(NotSuspended):
-        await stores.at(scope).suspensions.move_deadline(running.id, 1, extend_by=60, moved_by="op")
+        await writes(stores, scope).suspensions.move_deadline(running.id, 1, extend_by=60, moved_by="op")
     with pytest.raises(NotSuspended):
-        await stores.at(scope).suspensions.move_deadline("no-such-run", 1, extend_by=60, moved_by="op")
+        await writes(stores, scope).suspensions.move_deadline("no-such-run", 1, extend_by=60, moved_by="op")
     # Scope is exact: the run is not found at another scope.
     with pytest.raises(NotSuspended):
-        await stores.at(other_scope).suspensions.move_deadline(p.run.id, p.suspension.id, extend_by=60, moved_by="op")
+        await writes(stores, other_scope).suspensions.move_deadline(
+            p.run.id, p.suspension.id, extend_by=60, moved_by="op"
+        )
     with pytest.raises(RunConflict, match=str(p.suspension.id)):
-        await stores.at(scope).suspensions.move_deadline(p.run.id, p.suspension.id + 1000, extend_by=60, moved_by="op")
+        await writes(stores, scope).suspensions.move_deadline(
+            p.run.id, p.suspension.id + 1000, extend_by=60, moved_by="op"
+        )
     with pytest.raises(InvalidArgument):
-        await stores.at(scope).suspensions.move_deadline(p.run.id, p.suspension.id, extend_by=0, moved_by="op")
+        await writes(stores, scope).suspensions.move_deadline(p.run.id, p.suspension.id, extend_by=0, moved_by="op")
     assert await db.snapshot() == before
 
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from intermission.agent.executor import Executor
 from intermission.agent.plugins import load_executor
+from intermission.engine.runs import Pause
 from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import running_worker
@@ -39,10 +40,9 @@ from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, Continuation, Notice, PendingCall, SuspendReason
 from intermission.store import Stores
-from intermission.store.runs import Pause
 from tests.examples.openai_agents_script import ScriptPlayer
 from tests.support.control import LocalControl
-from tests.support.factories import running_run
+from tests.support.factories import running_run, writes
 from tests.support.fleet import charges, fast_settings, outbox_keys, suspension_count
 from tests.support.waiting import eventually
 
@@ -271,7 +271,7 @@ async def test_a_pause_stored_by_version_1_of_the_integration_still_resumes(
     pending = [PendingCall.model_validate(p) for p in stored["pending"]]
     assert Prepared.decode(cont.prepared).version == 1
     run, held = await running_run(stores, scope)
-    await stores.at(scope).runs.pause_run(
+    await writes(stores, scope).runs.pause_run(
         run.id, held.owner, Pause(reason=SuspendReason.APPROVAL, pending=pending, continuation=cont, ttl_seconds=0)
     )
     s = await stores.at(scope).suspensions.get_suspension(run.id)

@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner, Result
 from yarl import URL
 
+from intermission.engine.events import OutboxEvent
 from intermission.fleet.worker import Worker
 from intermission.ops.cli import main
 from intermission.publishers.clients import HostClient
@@ -26,7 +27,6 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import Notice, SuspendReason
 from intermission.store import Stores
-from intermission.store.outbox import OutboxEvent
 from intermission.wire import EVENTS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, TRACEPARENT_HEADER
 from tests.integration.test_operator_metrics import dead_letter
 from tests.support import outbox as support_outbox

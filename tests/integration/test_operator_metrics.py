@@ -28,7 +28,7 @@ from intermission.schemas.suspension import Notice, SuspendReason
 from intermission.store import Stores
 from intermission.wire import DEAD_EXCHANGE, dead_copy
 from tests.support.amqp import DELIVERY_LIMIT, Broker, Vhost
-from tests.support.factories import lease, paused_run, running_run
+from tests.support.factories import lease, paused_run, running_run, writes
 from tests.support.fleet import fast_settings
 from tests.support.inspect import Inspector
 from tests.support.metrics import free_port, samples, scrape
@@ -146,7 +146,7 @@ async def test_takeovers_reclaims_and_writes_refused_for_a_lost_lease_are_counte
 
         # Another worker takes the run over from under this one (its lease lapsed: made so on purpose).
         await db.con.execute("UPDATE runs SET lease_expires_at = now() WHERE id = $1", run.id)
-        await stores.at(scope).runs.claim_continuation_leased(run.id, lease("the-next-worker"))
+        await writes(stores, scope).runs.claim_continuation_leased(run.id, lease("the-next-worker"))
         executor.go.set()
         await asyncio.wait_for(fleet.wait_idle(), WAIT)
         lost = await scraped(port)

@@ -19,6 +19,7 @@ from aio_pika.abc import AbstractQueue, AbstractRobustConnection
 from click.testing import CliRunner, Result
 
 from intermission.agent.loop import default_executor
+from intermission.engine import events as outbox
 from intermission.fleet.metrics import WorkerMetrics
 from intermission.fleet.worker import running_worker
 from intermission.ops.cli import main
@@ -30,7 +31,7 @@ from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import SuspendReason
-from intermission.store import Stores, outbox
+from intermission.store import Stores
 from intermission.store.db import Database
 from intermission.wire import COMMANDS_EXCHANGE, EVENTS_EXCHANGE, message, notice_key
 from tests.support import outbox as support_outbox

@@ -17,6 +17,8 @@ from typing import Any
 import asyncpg
 import pytest
 
+from intermission.engine.commands import Resume
+from intermission.engine.core import Engine
 from intermission.schemas.commands import ResumeCommand, ToolAnswer
 from intermission.schemas.events import RunEventKind
 from intermission.schemas.scope import Scope
@@ -26,7 +28,7 @@ from intermission.store.db import Database
 from intermission.store.inbox import Receipt
 from intermission.store.queries import QUERIES
 from intermission.wire import Command
-from tests.support.factories import PausedRun, lease, paused_run
+from tests.support.factories import PausedRun, lease, paused_run, writes
 from tests.support.inspect import Inspector
 
 PAUSED = 300
@@ -125,8 +127,8 @@ async def resume_and_end(stores: Stores, p: PausedRun) -> None:
         results=[ToolAnswer(call_id="c1", content="42")],
     )
     receipt = Receipt.of(str(uuid.uuid4()), Command.RESUME.value, cmd)
-    claimed = await stores.commands.resume(cmd, lease(), receipt=receipt)
-    await stores.at(p.run.scope).runs.end_run(p.run.id, claimed.run.lease_owner or "", RunEventKind.COMPLETED)
+    claimed = await Engine.over(stores, lease=lease()).apply(Resume(cmd, receipt=receipt))
+    await writes(stores, p.run.scope).runs.end_run(p.run.id, claimed.run.lease_owner or "", RunEventKind.COMPLETED)
 
 
 async def test_a_resume_and_an_end_probe_their_run_by_key_among_hundreds_of_the_same_tenant(

@@ -26,19 +26,3 @@ async def test_the_executor_runs_only_names_it_knows(database_url: str) -> None:
         assert await con.fetchrow("get_run", "no-such-run", "acme", "t1") is None
     finally:
         await raw.close()
-
-
-async def test_a_statement_that_names_its_arguments_takes_every_one_by_name_and_nothing_else(
-    database_url: str,
-) -> None:
-    raw = await asyncpg.connect(database_url)
-    try:
-        con = Conn(raw)
-        with pytest.raises(TypeError, match="missing"):
-            await con.fetchval("save_progress", run_id="r", app="a", tenant="t")
-        with pytest.raises(TypeError, match="names only"):
-            await con.fetchval("save_progress", "r", app="a")
-        with pytest.raises(TypeError, match="no names"):
-            await con.fetchrow("get_run", id="r")
-    finally:
-        await raw.close()

@@ -15,16 +15,17 @@ import aio_pika
 import asyncpg
 import pytest
 
+from intermission.engine import events as outbox
 from intermission.publishers.relay import OutboxRelay
 from intermission.schemas.events import RunEvent, RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import SuspendReason
-from intermission.store import Stores, outbox
+from intermission.store import Stores
 from intermission.store.db import Database
 from intermission.wire import EVENTS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, TRACEPARENT_HEADER, notice_key
 from tests.conftest import MakeStores, race
 from tests.support import outbox as support_outbox
-from tests.support.factories import paused_run, running_run
+from tests.support.factories import paused_run, running_run, writes
 from tests.support.waiting import eventually
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ async def write_events(stores: Stores, scope: Scope, n: int) -> list[str]:
 
 async def end_run(stores: Stores, scope: Scope, *, correlation_id: str) -> str:
     run, held = await running_run(stores, scope)
-    await stores.at(scope).runs.end_run(
+    await writes(stores, scope).runs.end_run(
         run.id, held.owner, RunEventKind.COMPLETED, output="done", correlation_id=correlation_id
     )
     return run.id

@@ -1,20 +1,22 @@
 """A process that runs a relay wakes it in-process and notifies nobody; everybody else still notifies.
 
 Before migration 0004 every commit that added outbox rows sent a NOTIFY that woke the relay of EVERY
-worker; now a worker's own commits wake only its own relay (store/db.py), and rows written elsewhere (a
-host using the store, the CLI) still wake the fleet at once.
+worker; now a worker's own commits wake only its own relay (the engine hands them to it: engine/sink.py),
+and rows written elsewhere (a host using the store, the CLI) still wake the fleet at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 import asyncpg
 import pytest
 
+from intermission.engine.core import Engine
+from intermission.engine.events import OutboxEvent
 from intermission.publishers.relay import OutboxRelay
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
@@ -26,6 +28,23 @@ if TYPE_CHECKING:
     from tests.support.amqp import CaptureFactory, ConnectionFactory
 
 CHANNEL = "intermission_outbox"
+
+
+class Woken:
+    """An event sink that only records, under a name, that a commit wrote events (and holds no row)."""
+
+    def __init__(self, woken: list[str], name: str) -> None:
+        self.woken = woken
+        self.name = name
+
+    @property
+    def hold_seconds(self) -> float | None:
+        return None
+
+    def committed(self, events: Sequence[OutboxEvent]) -> None:
+        self.woken.append(self.name)
+
+
 WITHIN = 15.0
 
 
@@ -76,11 +95,13 @@ async def test_a_relayed_process_commits_outbox_rows_without_notifying_and_wakes
     relayed = await Stores.connect(database_url, max_size=2, relayed=True)
     plain = await Stores.connect(database_url, max_size=2)
     woken: list[str] = []
-    stop_waking = relayed.db.on_outbox_commit(lambda: woken.append("relayed"))
-    plain.db.on_outbox_commit(lambda: woken.append("plain"))
+    relayed_engine, plain_engine = Engine.over(relayed), Engine.over(plain)
+    stop_waking = relayed_engine.hand_events_to(Woken(woken, "relayed"))
+    plain_engine.hand_events_to(Woken(woken, "plain"))
     try:
-        await ended_run_event(relayed, scope)
+        await ended_run_event(relayed, scope, relayed_engine)
         assert await notifications.since_last_sentinel() == []
+        # Its start wrote no event; its end did.
         assert woken == ["relayed"]
 
         # A transaction that adds no outbox row wakes nobody.
@@ -89,12 +110,12 @@ async def test_a_relayed_process_commits_outbox_rows_without_notifying_and_wakes
         assert woken == ["relayed"]
 
         # A process without a relay of its own still wakes every relay through the database.
-        await ended_run_event(plain, scope)
+        await ended_run_event(plain, scope, plain_engine)
         assert await notifications.since_last_sentinel() == [""]
         assert woken == ["relayed", "plain"]
 
         stop_waking()
-        await ended_run_event(relayed, scope)
+        await ended_run_event(relayed, scope, relayed_engine)
         assert woken == ["relayed", "plain"]
         assert await notifications.since_last_sentinel() == []
     finally:
@@ -113,14 +134,16 @@ async def test_a_relay_woken_in_process_publishes_its_processs_rows_without_noti
     relayed = await Stores.connect(database_url, max_size=4, relayed=True)
     # No LISTEN, and a poll an hour away: only the in-process wake-up can publish the rows in time.
     relay = OutboxRelay(relayed.db, await amqp_connect(amqp_url, "relay"), poll_seconds=3600)
-    relayed.db.on_outbox_commit(relay.wake)
+    # No hand-over either: the relay only learns that rows were written, and wakes.
+    engine = Engine.over(relayed)
+    engine.hand_events_to(relay)
     stop = asyncio.Event()
     serving = asyncio.create_task(relay.serve(stop))
     try:
-        first = await ended_run_event(relayed, scope)
+        first = await ended_run_event(relayed, scope, engine)
         await seen.wait_ids({first})
-        # The store's own writes (here a run that pauses: its Notice) wake it the same way.
-        paused = await paused_run(relayed, scope)
+        # Every other transition's events (here a run that pauses: its Notice) wake it the same way.
+        paused = await paused_run(relayed, scope, through=engine)
         await seen.wait_for(lambda got: any(paused.run.id in m.body.decode() for m in got), what="the notice")
     finally:
         stop.set()

@@ -31,7 +31,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import MAX_RESUME_INPUT_BYTES, ClaimVersion, SuspendReason
 from intermission.store import Stores
 from tests.conftest import MakeStores, race
-from tests.support.factories import lease, paused_run
+from tests.support.factories import lease, paused_run, writes
 from tests.support.resume import (
     admission_request,
     agent_reply_pause,
@@ -48,7 +48,7 @@ async def test_admission_claims_the_pause_and_keeps_the_input_exactly(stores: St
     p = await agent_reply_pause(stores, scope)
     req = admission_request(p, scope)
 
-    got = await stores.at(scope).resume.admit_resume(req)
+    got = await writes(stores, scope).resume.admit_resume(req)
 
     assert got.fresh is True
     assert got.schema_version == RESUME_SCHEMA_VERSION
@@ -72,7 +72,7 @@ async def test_scenario_34_a_failure_reply_is_admitted_byte_for_byte(stores: Sto
     p = await agent_reply_pause(stores, scope)
     payload = '{"performative":"failure",  "sender":"peer","content":"timeout\\n\\u00e9 é"}'.encode()
 
-    got = await stores.at(scope).resume.admit_resume(admission_request(p, scope, payload))
+    got = await writes(stores, scope).resume.admit_resume(admission_request(p, scope, payload))
 
     assert got.fresh
     assert (await stores.at(scope).resume.get_resume_admission(p.run.id, p.suspension.id)).request.input == payload
@@ -82,10 +82,10 @@ async def test_scenario_35_identical_admission_again_returns_the_record_and_clai
     stores: Stores, scope: Scope
 ) -> None:
     p = await agent_reply_pause(stores, scope)
-    first = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    first = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     before = await snapshot(stores)
 
-    again = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    again = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
 
     assert again.fresh is False
     assert again.model_dump() == first.model_dump()
@@ -98,11 +98,11 @@ async def test_a_recorded_admission_takes_nothing_even_if_its_pause_is_claimable
     # Whatever put the run back on this very pause (a bug elsewhere, a hand edit), the recorded admission
     # is the answer: the claim is never attempted again.
     p = await agent_reply_pause(stores, scope)
-    first = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    first = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     await stores.db.pool.execute("UPDATE runs SET state = 'paused', revision = $2 WHERE id = $1", p.run.id, p.revision)
     before = await snapshot(stores)
 
-    again = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), lease())
+    again = await writes(stores, scope).resume.admit_resume_leased(admission_request(p, scope), lease())
 
     assert again.fresh is False
     assert again.model_dump() == first.model_dump()
@@ -111,11 +111,11 @@ async def test_a_recorded_admission_takes_nothing_even_if_its_pause_is_claimable
 
 async def test_scenario_36_changed_input_for_the_same_pause_is_a_conflict(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
-    original = await stores.at(scope).resume.admit_resume(admission_request(p, scope, reply(content="one")))
+    original = await writes(stores, scope).resume.admit_resume(admission_request(p, scope, reply(content="one")))
     before = await snapshot(stores)
 
     with pytest.raises(ResumeAdmissionConflict):
-        await stores.at(scope).resume.admit_resume(admission_request(p, scope, reply(content="two")))
+        await writes(stores, scope).resume.admit_resume(admission_request(p, scope, reply(content="two")))
 
     assert await snapshot(stores) == before
     kept = await stores.at(scope).resume.get_resume_admission(p.run.id, p.suspension.id)
@@ -125,21 +125,21 @@ async def test_scenario_36_changed_input_for_the_same_pause_is_a_conflict(stores
 
 async def test_scenario_36_a_changed_pin_for_the_same_pause_is_a_conflict(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
-    await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     moved = ResumeAdmissionRequest(
         scope=scope,
         version=ClaimVersion(run_id=p.run.id, suspension_id=p.suspension.id, run_revision=p.revision + 1),
         input=reply(),
     )
     with pytest.raises(ResumeAdmissionConflict):
-        await stores.at(scope).resume.admit_resume(moved)
+        await writes(stores, scope).resume.admit_resume(moved)
 
 
 async def test_scenario_37_exactly_8_mib_encoded_is_accepted(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
     data = b"a" * MAX_RESUME_INPUT_BYTES
 
-    got = await stores.at(scope).resume.admit_resume(admission_request(p, scope, data))
+    got = await writes(stores, scope).resume.admit_resume(admission_request(p, scope, data))
 
     assert got.fresh
     assert (await stores.at(scope).resume.get_resume_admission(p.run.id, p.suspension.id)).request.input == data
@@ -160,7 +160,7 @@ async def test_scenario_37_one_byte_over_8_mib_encoded_is_refused_and_nothing_is
     before = await snapshot(stores)
 
     with pytest.raises(InputTooLarge):
-        await stores.at(scope).resume.admit_resume(admission_request(p, scope, data))
+        await writes(stores, scope).resume.admit_resume(admission_request(p, scope, data))
 
     assert await snapshot(stores) == before
     assert (await run_row(stores, p.run.id))["state"] == "paused"
@@ -169,7 +169,7 @@ async def test_scenario_37_one_byte_over_8_mib_encoded_is_refused_and_nothing_is
 async def test_exactly_8_mib_of_escapes_is_accepted(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
     data = b"\n" * (MAX_RESUME_INPUT_BYTES // 2)  # each newline is two bytes escaped
-    assert (await stores.at(scope).resume.admit_resume(admission_request(p, scope, data))).fresh
+    assert (await writes(stores, scope).resume.admit_resume(admission_request(p, scope, data))).fresh
 
 
 async def test_race_32_identical_admissions_one_fresh_one_revision_bump(
@@ -179,7 +179,7 @@ async def test_race_32_identical_admissions_one_fresh_one_revision_bump(
     contenders = await make_stores(32)
     req = admission_request(p, scope)
 
-    results = await race(32, lambda i: contenders[i].at(scope).resume.admit_resume(req))
+    results = await race(32, lambda i: writes(contenders[i], scope).resume.admit_resume(req))
 
     assert all(isinstance(r, ResumeAdmission) for r in results), results
     admissions = [r for r in results if isinstance(r, ResumeAdmission)]
@@ -197,7 +197,7 @@ async def test_scenario_33_race_of_two_different_replies_one_wins_the_other_conf
     contenders = await make_stores(32)
     replies = [admission_request(p, scope, reply(content="A")), admission_request(p, scope, reply(content="B"))]
 
-    results = await race(32, lambda i: contenders[i].at(scope).resume.admit_resume(replies[i % 2]))
+    results = await race(32, lambda i: writes(contenders[i], scope).resume.admit_resume(replies[i % 2]))
 
     admissions = [r for r in results if isinstance(r, ResumeAdmission)]
     conflicts = [r for r in results if isinstance(r, ResumeAdmissionConflict)]
@@ -216,7 +216,7 @@ async def test_leased_admission_takes_the_lease_and_writes_the_first_snapshot(st
     p = await agent_reply_pause(stores, scope)
     held = lease()
 
-    got = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), held, first_for(p, held))
+    got = await writes(stores, scope).resume.admit_resume_leased(admission_request(p, scope), held, first_for(p, held))
 
     assert got.fresh
     assert got.claimed_revision == p.revision + 1
@@ -232,12 +232,16 @@ async def test_leased_admission_recorded_before_is_returned_as_it_is_and_takes_n
 ) -> None:
     p = await agent_reply_pause(stores, scope)
     held = lease()
-    first = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), held, first_for(p, held))
+    first = await writes(stores, scope).resume.admit_resume_leased(
+        admission_request(p, scope), held, first_for(p, held)
+    )
     before = await snapshot(stores)
     progress_before = await stores.at(scope).progress.get_progress(p.run.id)
 
     other = lease()
-    again = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), other, first_for(p, other))
+    again = await writes(stores, scope).resume.admit_resume_leased(
+        admission_request(p, scope), other, first_for(p, other)
+    )
 
     assert again.fresh is False
     assert again.model_dump() == first.model_dump()
@@ -259,7 +263,7 @@ async def test_leased_admission_with_a_half_lease_is_lease_lost_and_writes_nothi
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
     with pytest.raises(RunLeaseLost):
-        await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), bad_lease)
+        await writes(stores, scope).resume.admit_resume_leased(admission_request(p, scope), bad_lease)
     assert await snapshot(stores) == before
 
 
@@ -267,7 +271,9 @@ async def test_leased_admission_with_a_first_owned_by_someone_else_is_lease_lost
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
     with pytest.raises(RunLeaseLost):
-        await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), lease(), first_for(p, lease()))
+        await writes(stores, scope).resume.admit_resume_leased(
+            admission_request(p, scope), lease(), first_for(p, lease())
+        )
     assert await snapshot(stores) == before
 
 
@@ -281,7 +287,7 @@ async def test_admission_from_another_scope_finds_nothing_and_writes_nothing(
     before = await snapshot(stores)
 
     with pytest.raises(NotSuspended):
-        await stores.at(other_scope).resume.admit_resume(admission_request(p, other_scope))
+        await writes(stores, other_scope).resume.admit_resume(admission_request(p, other_scope))
 
     assert await snapshot(stores) == before
 
@@ -292,7 +298,7 @@ async def test_admission_whose_request_names_another_scope_is_refused(
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
     with pytest.raises(InvalidArgument):
-        await stores.at(scope).resume.admit_resume(admission_request(p, other_scope))
+        await writes(stores, scope).resume.admit_resume(admission_request(p, other_scope))
     assert await snapshot(stores) == before
 
 
@@ -300,15 +306,17 @@ async def test_admission_without_a_valid_scope_fails_before_the_database(stores:
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
     with pytest.raises(InvalidScope):
-        await stores.at(Scope.model_construct(app="", tenant="t1")).resume.admit_resume(admission_request(p, scope))
+        await writes(stores, Scope.model_construct(app="", tenant="t1")).resume.admit_resume(
+            admission_request(p, scope)
+        )
     assert await snapshot(stores) == before
 
 
 async def test_admission_without_a_request_is_invalid(stores: Stores, scope: Scope) -> None:
     with pytest.raises(InvalidArgument):
-        await stores.at(scope).resume.admit_resume(None)  # type: ignore[arg-type]
+        await writes(stores, scope).resume.admit_resume(None)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument):
-        await stores.at(scope).resume.admit_resume_leased({"scope": scope}, lease())  # type: ignore[arg-type]
+        await writes(stores, scope).resume.admit_resume_leased({"scope": scope}, lease())  # type: ignore[arg-type]
 
 
 async def test_admission_of_an_unknown_run_is_not_suspended(stores: Stores, scope: Scope) -> None:
@@ -317,7 +325,7 @@ async def test_admission_of_an_unknown_run_is_not_suspended(stores: Stores, scop
         scope=scope, version=ClaimVersion(run_id="no-such-run", suspension_id=1, run_revision=1), input=reply()
     )
     with pytest.raises(NotSuspended):
-        await stores.at(scope).resume.admit_resume(req)
+        await writes(stores, scope).resume.admit_resume(req)
     assert await snapshot(stores) == before
 
 
@@ -328,7 +336,7 @@ async def test_admission_of_a_pause_that_is_not_an_agent_reply_is_refused(
     p = await paused_run(stores, scope, reason=reason)
     before = await snapshot(stores)
     with pytest.raises(NotAgentReplyResumable):
-        await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+        await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     assert await snapshot(stores) == before
 
 
@@ -348,7 +356,7 @@ async def test_admission_pinned_to_another_pause_or_revision_is_run_conflict(
         input=reply(),
     )
     with pytest.raises(RunConflict):
-        await stores.at(scope).resume.admit_resume(req)
+        await writes(stores, scope).resume.admit_resume(req)
     assert await snapshot(stores) == before
 
 
@@ -359,7 +367,7 @@ async def test_admission_of_an_expired_pause_is_refused_and_the_run_stays_paused
     before = await snapshot(stores)
 
     with pytest.raises(SuspensionExpired):
-        await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+        await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
 
     assert await snapshot(stores) == before
 
@@ -368,7 +376,7 @@ async def test_admission_input_that_is_not_utf8_is_refused(stores: Stores, scope
     p = await agent_reply_pause(stores, scope)
     before = await snapshot(stores)
     with pytest.raises(InvalidArgument):
-        await stores.at(scope).resume.admit_resume(admission_request(p, scope, b"\xff\xfe"))
+        await writes(stores, scope).resume.admit_resume(admission_request(p, scope, b"\xff\xfe"))
     assert await snapshot(stores) == before
 
 
@@ -377,9 +385,9 @@ async def test_a_refused_admission_grants_nothing(stores: Stores, scope: Scope) 
     p = await agent_reply_pause(stores, scope)
     req = admission_request(p, scope, b"a" * (MAX_RESUME_INPUT_BYTES + 1))
     with pytest.raises(InputTooLarge):
-        await stores.at(scope).resume.admit_resume(req)
+        await writes(stores, scope).resume.admit_resume(req)
     with pytest.raises(ResumeAdmissionNotFound):
-        await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, req.digest())
+        await writes(stores, scope).resume.start_resume(p.run.id, p.suspension.id, req.digest())
 
 
 # --- schema versions -----------------------------------------------------------------------------------
@@ -389,11 +397,11 @@ async def test_a_row_without_a_schema_version_reads_as_legacy_and_still_matches_
     stores: Stores, scope: Scope
 ) -> None:
     p = await agent_reply_pause(stores, scope)
-    await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     await stores.db.pool.execute("UPDATE resume_admissions SET schema_version = NULL")
 
     legacy = await stores.at(scope).resume.get_resume_admission(p.run.id, p.suspension.id)
-    again = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    again = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
 
     assert legacy.schema_version == LEGACY_SCHEMA_VERSION
     assert again.fresh is False
@@ -405,7 +413,7 @@ async def test_a_row_without_a_schema_version_reads_as_legacy_and_still_matches_
 
 async def test_get_admission_is_exact_scope(stores: Stores, scope: Scope, other_scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
-    await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     with pytest.raises(ResumeAdmissionNotFound):
         await stores.at(other_scope).resume.get_resume_admission(p.run.id, p.suspension.id)
     with pytest.raises(ResumeAdmissionNotFound):
@@ -425,9 +433,9 @@ async def test_list_admissions_pages_exact_scope_history_with_an_opaque_cursor(
     for _ in range(5):
         p = await agent_reply_pause(stores, scope)
         ours.append((p.run.id, p.suspension.id))
-        await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+        await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     theirs = await agent_reply_pause(stores, other_scope)
-    await stores.at(other_scope).resume.admit_resume(admission_request(theirs, other_scope))
+    await writes(stores, other_scope).resume.admit_resume(admission_request(theirs, other_scope))
 
     seen: list[tuple[str, int]] = []
     cursor = ""
@@ -458,7 +466,7 @@ async def test_list_admissions_refuses_a_tampered_or_foreign_cursor(
 ) -> None:
     for _ in range(3):
         p = await agent_reply_pause(stores, scope)
-        await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+        await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     cursor = (await stores.at(scope).resume.list_resume_admissions("", 1)).next
     assert cursor
     flipped = cursor[:-2] + ("A" if cursor[-2] != "A" else "B") + cursor[-1]
@@ -473,6 +481,8 @@ async def test_admissions_are_counted_per_pause(stores: Stores, scope: Scope, ma
     # Distinct pauses do not contend with each other: 32 runs admitted at once, 32 fresh admissions.
     pauses = [await agent_reply_pause(stores, scope) for _ in range(32)]
     contenders = await make_stores(32)
-    results = await race(32, lambda i: contenders[i].at(scope).resume.admit_resume(admission_request(pauses[i], scope)))
+    results = await race(
+        32, lambda i: writes(contenders[i], scope).resume.admit_resume(admission_request(pauses[i], scope))
+    )
     assert Counter(type(r).__name__ for r in results) == {"ResumeAdmission": 32}
     assert all(isinstance(r, ResumeAdmission) and r.fresh for r in results)

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from intermission.engine.closer import ResumeCloser
+from intermission.engine.runs import Pause
 from intermission.schemas.errors import (
     Forbidden,
     InvalidArgument,
@@ -26,10 +28,8 @@ from intermission.schemas.resume import ResumeClosure, ResumeClosureRequest
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, PendingCall, SuspendReason
 from intermission.store import Stores
-from intermission.store.closer import ResumeCloser
-from intermission.store.runs import Pause
 from tests.conftest import MakeStores, race
-from tests.support.factories import PausedRun, continuation, lease
+from tests.support.factories import PausedRun, continuation, lease, writes
 from tests.support.resume import (
     admission_request,
     admitted_and_started,
@@ -49,7 +49,7 @@ async def test_closure_ends_the_run_incomplete_with_its_event_in_one_transaction
     req = await closure_request(stores, scope, p)
     events_before = await count(stores, "run_events")
 
-    receipt = await stores.at(scope).resume.close_resume(req)
+    receipt = await writes(stores, scope).resume.close_resume(req)
 
     assert receipt.fresh is True
     receipt.validate()
@@ -84,12 +84,14 @@ async def test_closure_ends_the_run_incomplete_with_its_event_in_one_transaction
 async def test_closure_of_a_leased_start_clears_the_lease_and_the_snapshot(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
     held = lease()
-    admission = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), held, first_for(p, held))
-    await stores.at(scope).resume.start_resume_leased(
+    admission = await writes(stores, scope).resume.admit_resume_leased(
+        admission_request(p, scope), held, first_for(p, held)
+    )
+    await writes(stores, scope).resume.start_resume_leased(
         p.run.id, p.suspension.id, admission.request_digest, held, first_for(p, held)
     )
 
-    await stores.at(scope).resume.close_resume(await closure_request(stores, scope, p))
+    await writes(stores, scope).resume.close_resume(await closure_request(stores, scope, p))
 
     run = await run_row(stores, p.run.id)
     assert (run["state"], run["lease_owner"], run["lease_expires_at"]) == ("failed", None, None)
@@ -102,11 +104,11 @@ async def test_scenario_50_identical_retry_after_the_proof_expired_returns_the_o
     p, _ = await admitted_and_started(stores, scope)
     # A proof that is valid for two seconds of the database clock; the retry comes after it expired.
     req = await closure_request(stores, scope, p, valid_for=timedelta(seconds=2))
-    original = await stores.at(scope).resume.close_resume(req)
+    original = await writes(stores, scope).resume.close_resume(req)
     await until_db_clock_passes(stores, req.expires_at)
     before = await snapshot(stores)
 
-    again = await stores.at(scope).resume.close_resume(req)
+    again = await writes(stores, scope).resume.close_resume(req)
 
     assert again.fresh is False
     assert again.model_dump() == original.model_dump()
@@ -133,7 +135,7 @@ async def test_scenario_50_any_changed_field_after_a_closure_is_refused(
 ) -> None:
     p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
-    await stores.at(scope).resume.close_resume(req)
+    await writes(stores, scope).resume.close_resume(req)
     before = await snapshot(stores)
     if value is None:  # times and revisions move by one step
         current = getattr(req, field)
@@ -141,7 +143,7 @@ async def test_scenario_50_any_changed_field_after_a_closure_is_refused(
     changed = req.model_copy(update={field: value})
 
     with pytest.raises(ResumeAdmissionConflict):
-        await stores.at(scope).resume.close_resume(changed)
+        await writes(stores, scope).resume.close_resume(changed)
 
     assert await snapshot(stores) == before
 
@@ -152,7 +154,7 @@ async def test_scenario_50_a_stale_revision_is_refused(stores: Stores, scope: Sc
     before = await snapshot(stores)
     for stale in (req.run_revision - 1, req.run_revision + 1):
         with pytest.raises(RunConflict):
-            await stores.at(scope).resume.close_resume(req.model_copy(update={"run_revision": stale}))
+            await writes(stores, scope).resume.close_resume(req.model_copy(update={"run_revision": stale}))
     assert await snapshot(stores) == before
 
 
@@ -164,7 +166,7 @@ async def test_race_32_identical_closures_make_one_receipt(
     revision = req.run_revision
     contenders = await make_stores(32)
 
-    results = await race(32, lambda i: contenders[i].at(scope).resume.close_resume(req))
+    results = await race(32, lambda i: writes(contenders[i], scope).resume.close_resume(req))
 
     receipts = [r for r in results if isinstance(r, ResumeClosure)]
     assert len(receipts) == 32, results
@@ -181,7 +183,7 @@ async def test_race_32_identical_closures_make_one_receipt(
 
 async def _repause(stores: Stores, scope: Scope, p: PausedRun, owner: str) -> PausedRun:
     """The started run pauses again on a new agent-reply question, as the fleet would."""
-    paused = await stores.at(scope).runs.pause_run(
+    paused = await writes(stores, scope).runs.pause_run(
         p.run.id,
         owner,
         Pause(
@@ -196,8 +198,8 @@ async def _repause(stores: Stores, scope: Scope, p: PausedRun, owner: str) -> Pa
 
 async def _started_leased(stores: Stores, scope: Scope, p: PausedRun, owner: str) -> None:
     held = lease(owner)
-    admission = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), held)
-    await stores.at(scope).resume.start_resume_leased(p.run.id, p.suspension.id, admission.request_digest, held)
+    admission = await writes(stores, scope).resume.admit_resume_leased(admission_request(p, scope), held)
+    await writes(stores, scope).resume.start_resume_leased(p.run.id, p.suspension.id, admission.request_digest, held)
 
 
 async def test_closure_of_an_admission_that_is_not_the_latest_is_refused(stores: Stores, scope: Scope) -> None:
@@ -211,7 +213,7 @@ async def test_closure_of_an_admission_that_is_not_the_latest_is_refused(stores:
     before = await snapshot(stores)
 
     with pytest.raises(RunConflict):
-        await stores.at(scope).resume.close_resume(old.model_copy(update={"run_revision": current["revision"]}))
+        await writes(stores, scope).resume.close_resume(old.model_copy(update={"run_revision": current["revision"]}))
 
     assert await snapshot(stores) == before
     assert (
@@ -228,14 +230,14 @@ async def test_closure_of_a_run_that_paused_again_is_invalid_state(stores: Store
     before = await snapshot(stores)
 
     with pytest.raises(InvalidState):
-        await stores.at(scope).resume.close_resume(req.model_copy(update={"run_revision": second.revision}))
+        await writes(stores, scope).resume.close_resume(req.model_copy(update={"run_revision": second.revision}))
 
     assert await snapshot(stores) == before
 
 
 async def test_closure_of_an_admission_that_never_started_is_refused(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     now = await db_now(stores)
     req = ResumeClosureRequest(
         scope=scope,
@@ -253,7 +255,7 @@ async def test_closure_of_an_admission_that_never_started_is_refused(stores: Sto
     )
     before = await snapshot(stores)
     with pytest.raises(ResumeAdmissionNotFound):
-        await stores.at(scope).resume.close_resume(req)
+        await writes(stores, scope).resume.close_resume(req)
     assert await snapshot(stores) == before
 
 
@@ -265,7 +267,7 @@ async def test_closure_with_an_expired_proof_is_forbidden(stores: Stores, scope:
     )
     before = await snapshot(stores)
     with pytest.raises(Forbidden):
-        await stores.at(scope).resume.close_resume(req)
+        await writes(stores, scope).resume.close_resume(req)
     assert await snapshot(stores) == before
 
 
@@ -274,12 +276,12 @@ async def test_closure_from_another_scope_finds_nothing(stores: Stores, scope: S
     req = await closure_request(stores, scope, p)
     before = await snapshot(stores)
     with pytest.raises(ResumeAdmissionNotFound):
-        await stores.at(other_scope).resume.close_resume(req.model_copy(update={"scope": other_scope}))
+        await writes(stores, other_scope).resume.close_resume(req.model_copy(update={"scope": other_scope}))
     with pytest.raises(InvalidArgument):
-        await stores.at(other_scope).resume.close_resume(req)  # bound to one scope, sent under another
+        await writes(stores, other_scope).resume.close_resume(req)  # bound to one scope, sent under another
     with pytest.raises(InvalidScope):
-        await stores.at(Scope.model_construct(app="", tenant="")).resume.close_resume(req)
-    await stores.at(scope).resume.close_resume(req)
+        await writes(stores, Scope.model_construct(app="", tenant="")).resume.close_resume(req)
+    await writes(stores, scope).resume.close_resume(req)
     with pytest.raises(ResumeAdmissionNotFound):
         await stores.at(other_scope).resume.get_resume_closure(p.run.id, p.suspension.id)
     assert await count(stores, "resume_closures") == 1
@@ -291,7 +293,7 @@ async def test_closure_of_an_unknown_run_is_not_found(stores: Stores, scope: Sco
     req = await closure_request(stores, scope, p)
     before = await snapshot(stores)
     with pytest.raises(ResumeAdmissionNotFound):
-        await stores.at(scope).resume.close_resume(
+        await writes(stores, scope).resume.close_resume(
             req.model_copy(update={"version": ClaimVersion(run_id="ghost", suspension_id=1, run_revision=1)})
         )
     with pytest.raises(ResumeAdmissionNotFound):
@@ -326,7 +328,7 @@ async def test_malformed_closure_requests_are_refused_and_write_nothing(
         changes = {"expires_at": req.observed_at}
     before = await snapshot(stores)
     with pytest.raises(error):
-        await stores.at(scope).resume.close_resume(req.model_copy(update=changes))
+        await writes(stores, scope).resume.close_resume(req.model_copy(update=changes))
     assert await snapshot(stores) == before
 
 
@@ -364,11 +366,11 @@ class Authorizer:
 
 def _closer(stores: Stores, scope: Scope) -> tuple[ResumeCloser, Fence, Authorizer]:
     fence, authorizer = Fence(), Authorizer()
-    return ResumeCloser(stores.at(scope).resume, fence, authorizer), fence, authorizer
+    return ResumeCloser(writes(stores, scope).resume, fence, authorizer), fence, authorizer
 
 
 async def test_closer_requires_a_store_a_fence_and_an_authorizer(stores: Stores, scope: Scope) -> None:
-    rs, fence, authorizer = stores.at(scope).resume, Fence(), Authorizer()
+    rs, fence, authorizer = writes(stores, scope).resume, Fence(), Authorizer()
     for store_, fence_, authorizer_ in [(None, fence, authorizer), (rs, None, authorizer), (rs, fence, None)]:
         with pytest.raises(InvalidArgument):
             ResumeCloser(store_, fence_, authorizer_)  # type: ignore[arg-type]
@@ -443,7 +445,7 @@ async def test_closer_refuses_a_fence_that_skips_or_swaps_the_request(stores: St
 
 async def test_closer_bounds_each_operation(stores: Stores, scope: Scope) -> None:
     fence, authorizer = Fence(), Authorizer()
-    closer = ResumeCloser(stores.at(scope).resume, fence, authorizer, timeout_seconds=0.05)
+    closer = ResumeCloser(writes(stores, scope).resume, fence, authorizer, timeout_seconds=0.05)
     p, _ = await admitted_and_started(stores, scope)
     req = await closure_request(stores, scope, p)
     fence.hang = True

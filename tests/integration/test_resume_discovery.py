@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from intermission.engine.runs import Pause
 from intermission.schemas.errors import InvalidArgument, InvalidScope, ResumeAdmissionNotFound
 from intermission.schemas.events import RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import PendingCall, SuspendReason
 from intermission.store import Stores
-from intermission.store.runs import Pause
-from tests.support.factories import PausedRun, continuation, lease, paused_run
+from tests.support.factories import PausedRun, continuation, lease, paused_run, writes
 from tests.support.resume import (
     admission_request,
     agent_reply_pause,
@@ -50,13 +50,13 @@ async def test_scenario_51_discovery_includes_every_kind_of_agent_reply_run_and_
     assert expired.suspension.expires_at is not None
     # An admitted one, its pause retained.
     admitted = await agent_reply_pause(stores, scope, run_id="r-03-admitted")
-    await stores.at(scope).resume.admit_resume(admission_request(admitted, scope))
+    await writes(stores, scope).resume.admit_resume(admission_request(admitted, scope))
     # A running admission whose pause row is gone (the fleet deleted it after the start).
     gone = await agent_reply_pause(stores, scope, run_id="r-04-pause-gone")
     held = lease()
-    a = await stores.at(scope).resume.admit_resume_leased(admission_request(gone, scope), held)
-    await stores.at(scope).resume.start_resume(gone.run.id, gone.suspension.id, a.request_digest)
-    await stores.at(scope).suspensions.delete_suspension(gone.run.id)
+    a = await writes(stores, scope).resume.admit_resume_leased(admission_request(gone, scope), held)
+    await writes(stores, scope).resume.start_resume(gone.run.id, gone.suspension.id, a.request_digest)
+    await writes(stores, scope).suspensions.delete_suspension(gone.run.id)
     # Not agent replies, or not this scope, or no longer held by their admission.
     await paused_run(stores, scope, reason=SuspendReason.EXTERNAL_TOOL, run_id="r-05-external")
     await paused_run(stores, scope, reason=SuspendReason.APPROVAL, run_id="r-06-approval")
@@ -64,12 +64,12 @@ async def test_scenario_51_discovery_includes_every_kind_of_agent_reply_run_and_
     await agent_reply_pause(stores, Scope(app="acme", tenant="t1-child"), run_id="r-08-child-scope")
     ended = await agent_reply_pause(stores, scope, run_id="r-09-ended")
     held_ended = lease()
-    await stores.at(scope).resume.admit_resume_leased(admission_request(ended, scope), held_ended)
-    await stores.at(scope).runs.end_run(ended.run.id, held_ended.owner, RunEventKind.COMPLETED, output="ok")
+    await writes(stores, scope).resume.admit_resume_leased(admission_request(ended, scope), held_ended)
+    await writes(stores, scope).runs.end_run(ended.run.id, held_ended.owner, RunEventKind.COMPLETED, output="ok")
     moved_on = await agent_reply_pause(stores, scope, run_id="r-10-moved-on")
     held_moved = lease()
-    await stores.at(scope).resume.admit_resume_leased(admission_request(moved_on, scope), held_moved)
-    await stores.at(scope).runs.pause_run(
+    await writes(stores, scope).resume.admit_resume_leased(admission_request(moved_on, scope), held_moved)
+    await writes(stores, scope).runs.pause_run(
         moved_on.run.id,
         held_moved.owner,
         Pause(
@@ -112,10 +112,10 @@ async def test_scenario_51_pages_strictly_after_the_cursor_in_ascending_order(st
 async def test_latest_admission_is_the_highest_suspension_id(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
     held = lease()
-    first = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), held)
-    await stores.at(scope).resume.start_resume_leased(p.run.id, p.suspension.id, first.request_digest, held)
+    first = await writes(stores, scope).resume.admit_resume_leased(admission_request(p, scope), held)
+    await writes(stores, scope).resume.start_resume_leased(p.run.id, p.suspension.id, first.request_digest, held)
     assert (await stores.at(scope).resume.latest_resume_admission(p.run.id)).request_digest == first.request_digest
-    paused = await stores.at(scope).runs.pause_run(
+    paused = await writes(stores, scope).runs.pause_run(
         p.run.id,
         held.owner,
         Pause(
@@ -127,7 +127,7 @@ async def test_latest_admission_is_the_highest_suspension_id(stores: Stores, sco
     )
     assert paused.suspension.id > p.suspension.id
     second_pause = PausedRun(run=p.run, suspension=paused.suspension, revision=paused.notice.run_revision)
-    second = await stores.at(scope).resume.admit_resume(admission_request(second_pause, scope))
+    second = await writes(stores, scope).resume.admit_resume(admission_request(second_pause, scope))
 
     latest = await stores.at(scope).resume.latest_resume_admission(p.run.id)
 

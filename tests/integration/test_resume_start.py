@@ -22,7 +22,7 @@ from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
 from tests.conftest import MakeStores, race
-from tests.support.factories import lease
+from tests.support.factories import lease, writes
 from tests.support.resume import (
     admission_request,
     agent_reply_pause,
@@ -35,9 +35,9 @@ from tests.support.resume import (
 
 async def test_a_fresh_start_carries_the_suspension_read_in_its_transaction(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
 
-    start = await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
+    start = await writes(stores, scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
 
     assert start.fresh is True
     assert start.schema_version == RESUME_SCHEMA_VERSION
@@ -57,11 +57,11 @@ async def test_scenario_47_start_retried_after_a_lost_ack_is_the_same_record_wit
     stores: Stores, scope: Scope
 ) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
-    first = await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
+    first = await writes(stores, scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
     before = await snapshot(stores)
 
-    again = await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
+    again = await writes(stores, scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
     read = await stores.at(scope).resume.get_resume_start(p.run.id, p.suspension.id)
 
     for later in (again, read):
@@ -75,11 +75,12 @@ async def test_scenario_47_start_retried_after_a_lost_ack_is_the_same_record_wit
 
 async def test_race_32_starts_grant_execution_once(stores: Stores, scope: Scope, make_stores: MakeStores) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     contenders = await make_stores(32)
 
     results = await race(
-        32, lambda i: contenders[i].at(scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
+        32,
+        lambda i: writes(contenders[i], scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest),
     )
 
     starts = [r for r in results if isinstance(r, ResumeStart)]
@@ -94,12 +95,12 @@ async def test_scenario_48_leased_start_moves_the_lease_to_the_starter_and_keeps
 ) -> None:
     p = await agent_reply_pause(stores, scope)
     admitter = lease()
-    admission = await stores.at(scope).resume.admit_resume_leased(
+    admission = await writes(stores, scope).resume.admit_resume_leased(
         admission_request(p, scope), admitter, first_for(p, admitter)
     )
     starter = lease()
 
-    start = await stores.at(scope).resume.start_resume_leased(
+    start = await writes(stores, scope).resume.start_resume_leased(
         p.run.id, p.suspension.id, admission.request_digest, starter, first_for(p, starter)
     )
 
@@ -112,14 +113,14 @@ async def test_scenario_48_leased_start_moves_the_lease_to_the_starter_and_keeps
     assert (await stores.at(scope).progress.get_progress(p.run.id)).owner == starter.owner
     # The admitter lost the run: its writes are refused from now on.
     with pytest.raises(RunLeaseLost):
-        await stores.at(scope).progress.save_progress(first_for(p, admitter))
+        await writes(stores, scope).progress.save_progress(first_for(p, admitter))
 
 
 async def test_leased_start_of_an_unleased_admission_takes_the_lease(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     starter = lease()
-    await stores.at(scope).resume.start_resume_leased(p.run.id, p.suspension.id, admission.request_digest, starter)
+    await writes(stores, scope).resume.start_resume_leased(p.run.id, p.suspension.id, admission.request_digest, starter)
     assert (await run_row(stores, p.run.id))["lease_owner"] == starter.owner
 
 
@@ -127,15 +128,15 @@ async def test_leased_start_recorded_before_is_returned_as_it_is_and_takes_nothi
     stores: Stores, scope: Scope
 ) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     starter = lease()
-    first = await stores.at(scope).resume.start_resume_leased(
+    first = await writes(stores, scope).resume.start_resume_leased(
         p.run.id, p.suspension.id, admission.request_digest, starter, first_for(p, starter)
     )
     before = await snapshot(stores)
 
     late = lease()
-    again = await stores.at(scope).resume.start_resume_leased(
+    again = await writes(stores, scope).resume.start_resume_leased(
         p.run.id, p.suspension.id, admission.request_digest, late, first_for(p, late)
     )
 
@@ -153,14 +154,14 @@ async def test_leased_start_recorded_before_is_returned_as_it_is_and_takes_nothi
 )
 async def test_leased_start_with_a_half_lease_is_lease_lost(stores: Stores, scope: Scope, bad_lease: Lease) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     before = await snapshot(stores)
     with pytest.raises(RunLeaseLost):
-        await stores.at(scope).resume.start_resume_leased(
+        await writes(stores, scope).resume.start_resume_leased(
             p.run.id, p.suspension.id, admission.request_digest, bad_lease
         )
     with pytest.raises(RunLeaseLost):
-        await stores.at(scope).resume.start_resume_leased(
+        await writes(stores, scope).resume.start_resume_leased(
             p.run.id, p.suspension.id, admission.request_digest, lease(), first_for(p, lease())
         )
     assert await snapshot(stores) == before
@@ -168,14 +169,14 @@ async def test_leased_start_with_a_half_lease_is_lease_lost(stores: Stores, scop
 
 async def test_a_start_whose_pause_cannot_be_read_grants_nothing(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     await stores.db.pool.execute(
         "UPDATE suspensions SET continuation = '{\"messages\": 5}' WHERE id = $1", p.suspension.id
     )
     before = await snapshot(stores)
 
     with pytest.raises(InvalidContinuation):
-        await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
+        await writes(stores, scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
 
     assert await snapshot(stores) == before  # no start row: nobody holds a grant nobody received
 
@@ -185,10 +186,12 @@ async def test_a_start_whose_pause_cannot_be_read_grants_nothing(stores: Stores,
 
 async def test_expiry_records_evidence_and_its_event_and_changes_nothing_else(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     run_before = await run_row(stores, p.run.id)
 
-    expiry = await stores.at(scope).resume.expire_resume_admission(p.run.id, p.suspension.id, admission.request_digest)
+    expiry = await writes(stores, scope).resume.expire_resume_admission(
+        p.run.id, p.suspension.id, admission.request_digest
+    )
 
     assert expiry.fresh is True
     assert expiry.version == admission.request.version
@@ -207,11 +210,15 @@ async def test_expiry_records_evidence_and_its_event_and_changes_nothing_else(st
 
 async def test_expiry_is_idempotent(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
-    first = await stores.at(scope).resume.expire_resume_admission(p.run.id, p.suspension.id, admission.request_digest)
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
+    first = await writes(stores, scope).resume.expire_resume_admission(
+        p.run.id, p.suspension.id, admission.request_digest
+    )
     before = await snapshot(stores)
 
-    again = await stores.at(scope).resume.expire_resume_admission(p.run.id, p.suspension.id, admission.request_digest)
+    again = await writes(stores, scope).resume.expire_resume_admission(
+        p.run.id, p.suspension.id, admission.request_digest
+    )
 
     assert again.fresh is False
     assert again.model_dump() == first.model_dump()
@@ -220,26 +227,28 @@ async def test_expiry_is_idempotent(stores: Stores, scope: Scope) -> None:
 
 async def test_scenario_49_expire_after_start_is_already_started(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
-    await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
+    await writes(stores, scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
     before = await snapshot(stores)
 
     with pytest.raises(ResumeAlreadyStarted):
-        await stores.at(scope).resume.expire_resume_admission(p.run.id, p.suspension.id, admission.request_digest)
+        await writes(stores, scope).resume.expire_resume_admission(p.run.id, p.suspension.id, admission.request_digest)
 
     assert await snapshot(stores) == before
 
 
 async def test_scenario_49_start_after_expiry_is_refused(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
-    await stores.at(scope).resume.expire_resume_admission(p.run.id, p.suspension.id, admission.request_digest)
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
+    await writes(stores, scope).resume.expire_resume_admission(p.run.id, p.suspension.id, admission.request_digest)
     before = await snapshot(stores)
 
     with pytest.raises(SuspensionExpired):
-        await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
+        await writes(stores, scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
     with pytest.raises(SuspensionExpired):
-        await stores.at(scope).resume.start_resume_leased(p.run.id, p.suspension.id, admission.request_digest, lease())
+        await writes(stores, scope).resume.start_resume_leased(
+            p.run.id, p.suspension.id, admission.request_digest, lease()
+        )
 
     assert await snapshot(stores) == before
 
@@ -249,14 +258,14 @@ async def test_scenario_49_race_of_starts_and_expiries_exactly_one_wins(
     stores: Stores, scope: Scope, make_stores: MakeStores, round_: int
 ) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     contenders = await make_stores(32)
     digest = admission.request_digest
 
     async def contend(i: int) -> ResumeStart | ResumeExpiry:
         if (i + round_) % 2 == 0:
-            return await contenders[i].at(scope).resume.start_resume(p.run.id, p.suspension.id, digest)
-        return await contenders[i].at(scope).resume.expire_resume_admission(p.run.id, p.suspension.id, digest)
+            return await writes(contenders[i], scope).resume.start_resume(p.run.id, p.suspension.id, digest)
+        return await writes(contenders[i], scope).resume.expire_resume_admission(p.run.id, p.suspension.id, digest)
 
     results = await race(32, contend)
 
@@ -275,12 +284,12 @@ async def test_scenario_49_race_of_starts_and_expiries_exactly_one_wins(
 
 async def test_start_with_another_digest_is_a_conflict_and_writes_nothing(stores: Stores, scope: Scope) -> None:
     p = await agent_reply_pause(stores, scope)
-    await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     before = await snapshot(stores)
     with pytest.raises(ResumeAdmissionConflict):
-        await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, "0" * 64)
+        await writes(stores, scope).resume.start_resume(p.run.id, p.suspension.id, "0" * 64)
     with pytest.raises(ResumeAdmissionConflict):
-        await stores.at(scope).resume.expire_resume_admission(p.run.id, p.suspension.id, "0" * 64)
+        await writes(stores, scope).resume.expire_resume_admission(p.run.id, p.suspension.id, "0" * 64)
     assert await snapshot(stores) == before
 
 
@@ -289,11 +298,11 @@ async def test_start_and_expiry_without_an_admission_are_not_found(stores: Store
     digest = admission_request(p, scope).digest()
     before = await snapshot(stores)
     with pytest.raises(ResumeAdmissionNotFound):
-        await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, digest)
+        await writes(stores, scope).resume.start_resume(p.run.id, p.suspension.id, digest)
     with pytest.raises(ResumeAdmissionNotFound):
-        await stores.at(scope).resume.expire_resume_admission(p.run.id, p.suspension.id, digest)
+        await writes(stores, scope).resume.expire_resume_admission(p.run.id, p.suspension.id, digest)
     with pytest.raises(ResumeAdmissionNotFound):
-        await stores.at(scope).resume.start_resume("no-such-run", 1, digest)
+        await writes(stores, scope).resume.start_resume("no-such-run", 1, digest)
     with pytest.raises(ResumeAdmissionNotFound):
         await stores.at(scope).resume.get_resume_start(p.run.id, p.suspension.id)
     with pytest.raises(ResumeAdmissionNotFound):
@@ -305,18 +314,22 @@ async def test_start_and_expiry_from_another_scope_find_nothing(
     stores: Stores, scope: Scope, other_scope: Scope
 ) -> None:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
     before = await snapshot(stores)
     with pytest.raises(ResumeAdmissionNotFound):
-        await stores.at(other_scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
+        await writes(stores, other_scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
     with pytest.raises(ResumeAdmissionNotFound):
-        await stores.at(other_scope).resume.start_resume_leased(
+        await writes(stores, other_scope).resume.start_resume_leased(
             p.run.id, p.suspension.id, admission.request_digest, lease()
         )
     with pytest.raises(ResumeAdmissionNotFound):
-        await stores.at(other_scope).resume.expire_resume_admission(p.run.id, p.suspension.id, admission.request_digest)
+        await writes(stores, other_scope).resume.expire_resume_admission(
+            p.run.id, p.suspension.id, admission.request_digest
+        )
     with pytest.raises(InvalidScope):
-        await stores.at(Scope.model_construct(app="a", tenant="no/slash")).resume.start_resume(p.run.id, 1, "0" * 64)
+        await writes(stores, Scope.model_construct(app="a", tenant="no/slash")).resume.start_resume(
+            p.run.id, 1, "0" * 64
+        )
     assert await snapshot(stores) == before
 
 
@@ -328,9 +341,9 @@ async def test_start_and_expiry_refuse_malformed_arguments(
     stores: Stores, scope: Scope, run_id: str, suspension_id: int, digest: str
 ) -> None:
     with pytest.raises(InvalidArgument):
-        await stores.at(scope).resume.start_resume(run_id, suspension_id, digest)
+        await writes(stores, scope).resume.start_resume(run_id, suspension_id, digest)
     with pytest.raises(InvalidArgument):
-        await stores.at(scope).resume.expire_resume_admission(run_id, suspension_id, digest)
+        await writes(stores, scope).resume.expire_resume_admission(run_id, suspension_id, digest)
 
 
 async def test_start_of_an_admission_whose_run_moved_on_is_refused_but_a_retry_still_reads(
@@ -339,17 +352,17 @@ async def test_start_of_an_admission_whose_run_moved_on_is_refused_but_a_retry_s
     p = await agent_reply_pause(stores, scope)
     q = await agent_reply_pause(stores, scope)
     held = lease()
-    pa = await stores.at(scope).resume.admit_resume_leased(admission_request(p, scope), held)
-    qa = await stores.at(scope).resume.admit_resume_leased(admission_request(q, scope), held)
-    started = await stores.at(scope).resume.start_resume(q.run.id, q.suspension.id, qa.request_digest)
+    pa = await writes(stores, scope).resume.admit_resume_leased(admission_request(p, scope), held)
+    qa = await writes(stores, scope).resume.admit_resume_leased(admission_request(q, scope), held)
+    started = await writes(stores, scope).resume.start_resume(q.run.id, q.suspension.id, qa.request_digest)
     # Both runs end under their lease: one never started, one started.
-    await stores.at(scope).runs.end_run(p.run.id, held.owner, RunEventKind.FAILED, error="gave up")
-    await stores.at(scope).runs.end_run(q.run.id, held.owner, RunEventKind.COMPLETED, output="done")
+    await writes(stores, scope).runs.end_run(p.run.id, held.owner, RunEventKind.FAILED, error="gave up")
+    await writes(stores, scope).runs.end_run(q.run.id, held.owner, RunEventKind.COMPLETED, output="done")
     before = await snapshot(stores)
 
     with pytest.raises(RunConflict):
-        await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, pa.request_digest)
-    retry = await stores.at(scope).resume.start_resume(q.run.id, q.suspension.id, qa.request_digest)
+        await writes(stores, scope).resume.start_resume(p.run.id, p.suspension.id, pa.request_digest)
+    retry = await writes(stores, scope).resume.start_resume(q.run.id, q.suspension.id, qa.request_digest)
 
     assert retry.fresh is False
     assert retry.digest() == started.digest()

@@ -33,7 +33,7 @@ from intermission.store import Stores
 from intermission.store.retention import RUN_TABLES, Kept, Pruner, Retention
 from intermission.wire import declare
 from tests.support.amqp import DELIVERY_LIMIT, Broker, Vhost
-from tests.support.factories import lease, paused_run, running_run
+from tests.support.factories import lease, paused_run, running_run, writes
 from tests.support.fleet import fast_settings, start_command
 from tests.support.inspect import Inspector, pin
 from tests.support.worker_process import cli
@@ -47,10 +47,10 @@ async def ended_run(stores: Stores, scope: Scope, *, session_id: str | None = No
     """A run that ran and completed, with its session messages, run events and outbox rows."""
     held = lease()
     run_id = f"run-{uuid.uuid4().hex[:12]}"
-    await stores.at(scope).runs.create_run(
+    await writes(stores, scope).runs.create_run(
         NewRun(run_id=run_id, agent_id="demo", input="hi", session_id=session_id or ""), held
     )
-    await stores.at(scope).runs.end_run(
+    await writes(stores, scope).runs.end_run(
         run_id,
         held.owner,
         RunEventKind.COMPLETED,
@@ -241,7 +241,7 @@ async def test_pruners_at_once_delete_each_run_once_and_never_wait_for_a_claim(
         # Claims of live runs go on while the pruners work: each is its own short transaction.
         claimed = 0
         for p in held:
-            await claimant.at(scope).suspensions.claim_suspension_version(pin(p))
+            await writes(claimant, scope).suspensions.claim_suspension_version(pin(p))
             claimed += 1
         return claimed
 

@@ -25,7 +25,7 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion
 from intermission.store import Stores
 from tests.support.control import LocalControl
-from tests.support.factories import lease
+from tests.support.factories import lease, writes
 from tests.support.fleet import Worker, fast_settings, outbox_bodies, outbox_keys, start_command
 from tests.support.inspect import Inspector
 
@@ -183,7 +183,7 @@ async def test_a_config_this_product_cannot_honour_is_refused_at_start_and_nothi
     with pytest.raises(UnsupportedConfig, match=named):
         await w.control.start(cmd)
     with pytest.raises(UnsupportedConfig, match=named):
-        await stores.at(scope).runs.create_run(NewRun(run_id=cmd.run_id, agent_id="demo", config=config), lease())
+        await writes(stores, scope).runs.create_run(NewRun(run_id=cmd.run_id, agent_id="demo", config=config), lease())
     assert await db.snapshot() == before
 
 

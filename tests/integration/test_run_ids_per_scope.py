@@ -22,6 +22,10 @@ import pytest
 
 from intermission.agent.executor import RunContext
 from intermission.agent.loop import default_executor
+from intermission.engine.commands import Claimed, Start
+from intermission.engine.core import Engine
+from intermission.engine.holding import ReclaimLapsed
+from intermission.engine.starts import RunDefaults
 from intermission.fleet.runtime import Fleet
 from intermission.fleet.worker import Worker as RunningWorker
 from intermission.publishers.clients import HostClient, version_of
@@ -42,14 +46,13 @@ from intermission.schemas.scope import Reach, Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import ClaimVersion, Notice, Progress, SuspendReason, Suspension
 from intermission.store import Stores
-from intermission.store.commands import RunDefaults
 from intermission.store.inbox import AlreadyApplied, Receipt
 from intermission.store.retention import Kept, Pruner, Retention
 from intermission.wire import EVENTS_EXCHANGE
 from tests.conftest import MakeStores, race
 from tests.support.amqp import Captured, CaptureFactory
 from tests.support.control import LocalControl
-from tests.support.factories import continuation, lease, paused_run
+from tests.support.factories import continuation, lease, paused_run, writes
 from tests.support.fleet import Worker, fast_settings, readable, start_command, worker
 from tests.support.inspect import Inspector, unexpected
 from tests.support.resume import admission_request, agent_reply_pause, closure_request, first_for
@@ -59,6 +62,15 @@ A = Scope(app="acme", tenant="t1")
 B = Scope(app="globex", tenant="t1")
 C = Scope(app="acme", tenant="t2")
 DEFAULTS = RunDefaults(pause_ttl_seconds=0, max_steps=8)
+
+
+async def start_run(
+    stores: Stores, cmd: StartCommand, defaults: RunDefaults, held: Lease, *, receipt: Receipt | None = None
+) -> Claimed | None:
+    """The start command as a worker's handler applies it: under the worker's lease and the fleet's defaults."""
+    return await Engine.over(stores).under(lease=held, defaults=defaults).apply(Start(cmd, receipt))
+
+
 WAIT = 30.0
 LOOKUP = {"call": [{"tool": "lookup", "arguments": {"query": "q"}}]}
 
@@ -150,8 +162,8 @@ async def test_a_start_under_another_scopes_run_id_creates_its_own_run_and_a_rep
     first = StartCommand(scope=A, run_id=run_id, agent_id="demo", input="for acme")
     theirs = StartCommand(scope=B, run_id=run_id, agent_id="demo", input="for globex")
     # Even under the same message id: both the run id and the message id are keys within a scope.
-    mine = await stores.commands.start(first, DEFAULTS, lease(), receipt=Receipt.of("m-start", "run.start", first))
-    other = await stores.commands.start(theirs, DEFAULTS, lease(), receipt=Receipt.of("m-start", "run.start", theirs))
+    mine = await start_run(stores, first, DEFAULTS, lease(), receipt=Receipt.of("m-start", "run.start", first))
+    other = await start_run(stores, theirs, DEFAULTS, lease(), receipt=Receipt.of("m-start", "run.start", theirs))
 
     assert mine is not None
     assert other is not None  # not run_exists: A's run says nothing to B
@@ -162,22 +174,20 @@ async def test_a_start_under_another_scopes_run_id_creates_its_own_run_and_a_rep
 
     # Within a scope nothing changed: the same start again is a no-op (its new message id is recorded as
     # applied, and nothing else is written) ...
-    assert (
-        await stores.commands.start(first, DEFAULTS, lease(), receipt=Receipt.of("m-again", "run.start", first)) is None
-    )
-    assert await stores.commands.start(theirs, DEFAULTS, lease()) is None
+    assert await start_run(stores, first, DEFAULTS, lease(), receipt=Receipt.of("m-again", "run.start", first)) is None
+    assert await start_run(stores, theirs, DEFAULTS, lease()) is None
     # ... and another start under that id is run_exists, with nothing written, not even its inbox record.
     before = await db.snapshot()
     with pytest.raises(AlreadyApplied):
-        await stores.commands.start(first, DEFAULTS, lease(), receipt=Receipt.of("m-start", "run.start", first))
+        await start_run(stores, first, DEFAULTS, lease(), receipt=Receipt.of("m-start", "run.start", first))
     different = first.model_copy(update={"input": "another start"})
     with pytest.raises(RunExists):
-        await stores.commands.start(different, DEFAULTS, lease(), receipt=Receipt.of("m-other", "run.start", different))
+        await start_run(stores, different, DEFAULTS, lease(), receipt=Receipt.of("m-other", "run.start", different))
     with pytest.raises(RunExists):
-        await stores.at(B).runs.create_run(NewRun(run_id=run_id, agent_id="demo", input="another start"))
+        await writes(stores, B).runs.create_run(NewRun(run_id=run_id, agent_id="demo", input="another start"))
     assert await db.snapshot() == before
     # And a third scope that differs by tenant only has its own run of the id too.
-    assert (await stores.at(C).runs.create_run(NewRun(run_id=run_id, agent_id="demo"))).fresh is True
+    assert (await writes(stores, C).runs.create_run(NewRun(run_id=run_id, agent_id="demo"))).fresh is True
 
 
 async def test_starts_of_one_id_racing_in_two_scopes_each_create_their_own_run(
@@ -196,7 +206,7 @@ async def test_starts_of_one_id_racing_in_two_scopes_each_create_their_own_run(
 
         def contend(i: int, asked: dict[tuple[Scope, str], NewRun] = asked) -> Awaitable[Any]:
             scope, kind = scopes[i % 2], ("one", "two")[(i // 2) % 2]
-            return sessions[i].at(scope).runs.create_run(asked[(scope, kind)])
+            return writes(sessions[i], scope).runs.create_run(asked[(scope, kind)])
 
         results = await race(len(sessions), contend)
 
@@ -532,7 +542,7 @@ async def test_takeovers_of_lapsed_runs_of_one_id_in_two_scopes_take_each_with_i
     dead = Lease(owner="a-worker-that-died", ttl_seconds=0.2)
     for step, s in enumerate((A, B, C), start=3):
         first = Progress(run_id=run_id, owner=dead.owner, continuation=continuation(step))
-        await stores.at(s).runs.create_run(NewRun(run_id=run_id, agent_id="demo", input=f"for {s}"), dead, first)
+        await writes(stores, s).runs.create_run(NewRun(run_id=run_id, agent_id="demo", input=f"for {s}"), dead, first)
     for s in (A, B, C):
         await db.wait_until(
             "SELECT lease_expires_at <= now() FROM runs WHERE app = $1 AND tenant = $2 AND id = $3",
@@ -543,14 +553,14 @@ async def test_takeovers_of_lapsed_runs_of_one_id_in_two_scopes_take_each_with_i
 
     # One run at its scope: only that one.
     alone = lease("one-taker")
-    taken = await stores.at(C).runs.claim_continuation_leased(run_id, alone)
+    taken = await writes(stores, C).runs.claim_continuation_leased(run_id, alone)
     assert (taken.scope, taken.lease_owner) == (C, alone.owner)
     for s in (A, B):
         assert (await run_state(db, s, run_id))["lease_owner"] == dead.owner
 
     # The sweep: every lapsed run of every scope, each with its own snapshot handed over.
     taker = lease("the-taker")
-    swept = readable(await stores.across_scopes.reclaim_lapsed(taker, 10))
+    swept = readable(await Engine.over(stores).apply(ReclaimLapsed(taker, 10)))
     assert sorted((str(r.run.scope), r.run.id, r.run.input) for r in swept) == [
         (str(A), run_id, f"for {A}"),
         (str(B), run_id, f"for {B}"),
@@ -580,7 +590,7 @@ async def test_another_worker_takes_over_runs_of_one_id_in_two_scopes_and_ends_e
     dead = Lease(owner="a-worker-that-died", ttl_seconds=0.2)
     for s in (A, B):
         started = start_command(s, [{"say": f"done in {s}"}], run_id=run_id)
-        assert await stores.commands.start(started, DEFAULTS, dead) is not None
+        assert await start_run(stores, started, DEFAULTS, dead) is not None
     await w.drain(wait_for_lapsed=True)
     for s in (A, B):
         assert await run_state(db, s, run_id) == {
@@ -630,16 +640,18 @@ async def test_pruning_one_scopes_ended_run_leaves_the_other_scopes_runs_of_that
     run_id = shared_id()
     # A: an agent reply admitted, started and closed (the closure ends the run), with a demo charge.
     ended = await agent_reply_pause(stores, A, run_id=run_id)
-    admitted = await stores.at(A).resume.admit_resume(admission_request(ended, A))
-    await stores.at(A).resume.start_resume(run_id, ended.suspension.id, admitted.request_digest)
+    admitted = await writes(stores, A).resume.admit_resume(admission_request(ended, A))
+    await writes(stores, A).resume.start_resume(run_id, ended.suspension.id, admitted.request_digest)
     await stores.at(A).ledger.charge(run_id, "call-a", Decimal(5))
-    await stores.at(A).resume.close_resume(await closure_request(stores, A, ended))
+    await writes(stores, A).resume.close_resume(await closure_request(stores, A, ended))
     assert (await run_state(db, A, run_id))["state"] == "failed"
     # B: the same id, alive: its agent reply admitted under a lease (the pause kept, progress written),
     # with a charge. C: the same id, paused on an approval (a pending checkpoint).
     live = await agent_reply_pause(stores, B, run_id=run_id)
     held = lease()
-    admission = await stores.at(B).resume.admit_resume_leased(admission_request(live, B), held, first_for(live, held))
+    admission = await writes(stores, B).resume.admit_resume_leased(
+        admission_request(live, B), held, first_for(live, held)
+    )
     await stores.at(B).ledger.charge(run_id, "call-b", Decimal(7))
     await paused_run(stores, C, run_id=run_id, reason=SuspendReason.APPROVAL)
     kept = {s: await rows_of(db, s, run_id) for s in (B, C)}
@@ -669,7 +681,7 @@ async def test_pruning_one_scopes_ended_run_leaves_the_other_scopes_runs_of_that
     for s in (B, C):
         assert await rows_of(db, s, run_id) == kept[s]
     # B's run goes on: its admitted reply is started, under its lease.
-    started = await stores.at(B).resume.start_resume_leased(
+    started = await writes(stores, B).resume.start_resume_leased(
         run_id, live.suspension.id, admission.request_digest, held, first_for(live, held)
     )
     assert started.fresh
@@ -695,6 +707,6 @@ async def test_the_stores_plain_claims_take_only_the_pause_of_their_own_scope(st
     mine = await paused_run(stores, A, run_id=run_id)
     await paused_run(stores, B, run_id=run_id, reason=SuspendReason.APPROVAL)
     untouched = await rows_of(db, B, run_id)
-    claimed = await stores.at(A).suspensions.claim_suspension(run_id)
+    claimed = await writes(stores, A).suspensions.claim_suspension(run_id)
     assert (claimed.run.scope, claimed.suspension.id) == (A, mine.suspension.id)
     assert await rows_of(db, B, run_id) == untouched

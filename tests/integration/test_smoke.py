@@ -7,13 +7,13 @@ from intermission.schemas.run import RunState
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, LeasedClaim, Progress
 from intermission.store import Stores
-from tests.support.factories import lease, paused_run
+from tests.support.factories import lease, paused_run, writes
 
 
 async def test_claim_then_second_claim(stores: Stores, scope: Scope) -> None:
     p = await paused_run(stores, scope)
     held = lease()
-    got = await stores.at(scope).suspensions.claim_suspension_leased(
+    got = await writes(stores, scope).suspensions.claim_suspension_leased(
         LeasedClaim(
             version=ClaimVersion(run_id=p.run.id, suspension_id=p.suspension.id, run_revision=p.revision),
             lease=held,
@@ -24,6 +24,6 @@ async def test_claim_then_second_claim(stores: Stores, scope: Scope) -> None:
     assert got.run.state is RunState.RUNNING
     assert got.run.revision == p.revision + 1
     with pytest.raises(NotSuspended):
-        await stores.at(scope).suspensions.claim_suspension(p.run.id)
+        await writes(stores, scope).suspensions.claim_suspension(p.run.id)
     prog = await stores.at(scope).progress.get_progress(p.run.id)
     assert prog.continuation.prepared == b"\x00\x01opaque\xff"

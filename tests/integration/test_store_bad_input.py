@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 
+from intermission.engine.core import Engine
+from intermission.engine.holding import ReclaimLapsed, Unreadable
+from intermission.engine.runs import Pause
 from intermission.schemas.errors import (
     InvalidArgument,
     InvalidContinuation,
@@ -30,9 +33,7 @@ from intermission.schemas.run import Lease, NewRun
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, LeasedClaim, PendingCall, Progress, SuspendReason, Suspension
 from intermission.store import Stores
-from intermission.store.across_scopes import Unreadable
-from intermission.store.runs import Pause
-from tests.support.factories import continuation, lease, paused_run, running_run
+from tests.support.factories import continuation, lease, paused_run, running_run, writes
 from tests.support.inspect import (
     FAR_FUTURE,
     Inspector,
@@ -56,30 +57,30 @@ def _pause() -> Pause:
 
 # Every store method that takes a scope, called with arguments that are fine in every other respect.
 SCOPED_CALLS: dict[str, Call] = {
-    "create_suspension": lambda s, sc: s.at(sc).suspensions.create_suspension(
+    "create_suspension": lambda s, sc: writes(s, sc).suspensions.create_suspension(
         Suspension(run_id=RUN, scope=Scope(app="a", tenant="t"), reason=SuspendReason.APPROVAL)
     ),
     "get_suspension": lambda s, sc: s.at(sc).suspensions.get_suspension(RUN),
-    "delete_suspension": lambda s, sc: s.at(sc).suspensions.delete_suspension(RUN),
+    "delete_suspension": lambda s, sc: writes(s, sc).suspensions.delete_suspension(RUN),
     "list_expired": lambda s, sc: s.at(sc).suspensions.list_expired(NOW, 10),
-    "claim_suspension": lambda s, sc: s.at(sc).suspensions.claim_suspension(RUN),
-    "claim_expired_suspension": lambda s, sc: s.at(sc).suspensions.claim_expired_suspension(RUN, NOW),
-    "claim_suspension_version": lambda s, sc: s.at(sc).suspensions.claim_suspension_version(VERSION),
-    "claim_suspension_leased": lambda s, sc: s.at(sc).suspensions.claim_suspension_leased(
+    "claim_suspension": lambda s, sc: writes(s, sc).suspensions.claim_suspension(RUN),
+    "claim_expired_suspension": lambda s, sc: writes(s, sc).suspensions.claim_expired_suspension(RUN, NOW),
+    "claim_suspension_version": lambda s, sc: writes(s, sc).suspensions.claim_suspension_version(VERSION),
+    "claim_suspension_leased": lambda s, sc: writes(s, sc).suspensions.claim_suspension_leased(
         LeasedClaim(version=VERSION, lease=Lease(owner="w", ttl_seconds=30))
     ),
-    "save_progress": lambda s, sc: s.at(sc).progress.save_progress(Progress(run_id=RUN, owner="w")),
+    "save_progress": lambda s, sc: writes(s, sc).progress.save_progress(Progress(run_id=RUN, owner="w")),
     "get_progress": lambda s, sc: s.at(sc).progress.get_progress(RUN),
-    "delete_progress": lambda s, sc: s.at(sc).progress.delete_progress(RUN),
-    "create_run": lambda s, sc: s.at(sc).runs.create_run(NewRun(run_id=RUN, agent_id="demo")),
+    "delete_progress": lambda s, sc: writes(s, sc).progress.delete_progress(RUN),
+    "create_run": lambda s, sc: writes(s, sc).runs.create_run(NewRun(run_id=RUN, agent_id="demo")),
     "get_run": lambda s, sc: s.at(sc).runs.get_run(RUN),
     "renew_lease": lambda s, sc: s.at(sc).runs.renew_lease(RUN, Lease(owner="w", ttl_seconds=30)),
-    "release_lease": lambda s, sc: s.at(sc).runs.release_lease(RUN, "w"),
-    "claim_continuation_leased": lambda s, sc: s.at(sc).runs.claim_continuation_leased(
+    "release_lease": lambda s, sc: writes(s, sc).runs.release_lease(RUN, "w"),
+    "claim_continuation_leased": lambda s, sc: writes(s, sc).runs.claim_continuation_leased(
         RUN, Lease(owner="w", ttl_seconds=30)
     ),
-    "pause_run": lambda s, sc: s.at(sc).runs.pause_run(RUN, "w", _pause()),
-    "end_run": lambda s, sc: s.at(sc).runs.end_run(RUN, "w", RunEventKind.COMPLETED),
+    "pause_run": lambda s, sc: writes(s, sc).runs.pause_run(RUN, "w", _pause()),
+    "end_run": lambda s, sc: writes(s, sc).runs.end_run(RUN, "w", RunEventKind.COMPLETED),
     "list_run_events": lambda s, sc: s.at(sc).runs.list_run_events(RUN),
 }
 
@@ -137,24 +138,24 @@ async def test_bad_limits_and_ttls_and_half_leases_are_refused_before_any_databa
             await dead.across_scopes.list_expired_across_scopes(NOW, limit)
     for limit in (0, -1):
         with pytest.raises(InvalidArgument):
-            await dead.across_scopes.reclaim_lapsed(lease(), limit)
+            await Engine.over(dead).apply(ReclaimLapsed(lease(), limit))
     s = Suspension(run_id=RUN, scope=scope, reason=SuspendReason.APPROVAL)
     for ttl in (-1.0, math.nan, math.inf):
         with pytest.raises(InvalidArgument):
-            await dead.at(scope).suspensions.create_suspension(s, ttl_seconds=ttl)
+            await writes(dead, scope).suspensions.create_suspension(s, ttl_seconds=ttl)
     for half in (Lease(owner="w"), Lease(ttl_seconds=30), Lease(), Lease(owner="w", ttl_seconds=-5)):
         with pytest.raises(RunLeaseLost):
-            await dead.at(scope).suspensions.claim_suspension_leased(LeasedClaim(version=VERSION, lease=half))
+            await writes(dead, scope).suspensions.claim_suspension_leased(LeasedClaim(version=VERSION, lease=half))
         with pytest.raises(RunLeaseLost):
-            await dead.at(scope).runs.claim_continuation_leased(RUN, half)
+            await writes(dead, scope).runs.claim_continuation_leased(RUN, half)
         with pytest.raises(RunLeaseLost):
             await dead.at(scope).runs.renew_lease(RUN, half)
         with pytest.raises(RunLeaseLost):
-            await dead.at(scope).runs.create_run(NewRun(run_id=RUN, agent_id="demo"), half)
+            await writes(dead, scope).runs.create_run(NewRun(run_id=RUN, agent_id="demo"), half)
         with pytest.raises(RunLeaseLost):
-            await dead.across_scopes.reclaim_lapsed(half, 10)
+            await Engine.over(dead).apply(ReclaimLapsed(half, 10))
     with pytest.raises(RunLeaseLost):
-        await dead.at(scope).progress.save_progress(Progress(run_id=RUN, owner=""))
+        await writes(dead, scope).progress.save_progress(Progress(run_id=RUN, owner=""))
 
 
 async def test_a_missing_run_gets_its_typed_error_and_nothing_is_written(
@@ -171,30 +172,30 @@ async def test_a_missing_run_gets_its_typed_error_and_nothing_is_written(
     refusals: list[tuple[type[Exception], Callable[[], Awaitable[object]]]] = [
         (RunNotFound, lambda: stores.at(scope).runs.get_run(missing)),
         (NotSuspended, lambda: stores.at(scope).suspensions.get_suspension(missing)),
-        (NotSuspended, lambda: stores.at(scope).suspensions.delete_suspension(missing)),
-        (NotSuspended, lambda: stores.at(scope).suspensions.claim_suspension(missing)),
-        (NotSuspended, lambda: stores.at(scope).suspensions.claim_expired_suspension(missing, FAR_FUTURE)),
-        (NotSuspended, lambda: stores.at(scope).suspensions.claim_suspension_version(version)),
-        (NotSuspended, lambda: stores.at(scope).suspensions.claim_suspension_leased(claim)),
+        (NotSuspended, lambda: writes(stores, scope).suspensions.delete_suspension(missing)),
+        (NotSuspended, lambda: writes(stores, scope).suspensions.claim_suspension(missing)),
+        (NotSuspended, lambda: writes(stores, scope).suspensions.claim_expired_suspension(missing, FAR_FUTURE)),
+        (NotSuspended, lambda: writes(stores, scope).suspensions.claim_suspension_version(version)),
+        (NotSuspended, lambda: writes(stores, scope).suspensions.claim_suspension_leased(claim)),
         (
             RunNotFound,
-            lambda: stores.at(scope).suspensions.create_suspension(
+            lambda: writes(stores, scope).suspensions.create_suspension(
                 Suspension(run_id=missing, scope=scope, reason=SuspendReason.APPROVAL)
             ),
         ),
-        (RunNotFound, lambda: stores.at(scope).runs.claim_continuation_leased(missing, held)),
+        (RunNotFound, lambda: writes(stores, scope).runs.claim_continuation_leased(missing, held)),
         (ProgressNotFound, lambda: stores.at(scope).progress.get_progress(missing)),
-        (RunLeaseLost, lambda: stores.at(scope).progress.save_progress(snapshot_for(missing, held.owner))),
+        (RunLeaseLost, lambda: writes(stores, scope).progress.save_progress(snapshot_for(missing, held.owner))),
         (RunLeaseLost, lambda: stores.at(scope).runs.renew_lease(missing, held)),
-        (RunLeaseLost, lambda: stores.at(scope).runs.pause_run(missing, held.owner, _pause())),
-        (RunLeaseLost, lambda: stores.at(scope).runs.end_run(missing, held.owner, RunEventKind.FAILED, error="x")),
+        (RunLeaseLost, lambda: writes(stores, scope).runs.pause_run(missing, held.owner, _pause())),
+        (RunLeaseLost, lambda: writes(stores, scope).runs.end_run(missing, held.owner, RunEventKind.FAILED, error="x")),
     ]
     for error, call in refusals:
         with pytest.raises(error):
             await call()
-    assert await stores.at(scope).runs.release_lease(missing, held.owner) is False
+    assert await writes(stores, scope).runs.release_lease(missing, held.owner) is False
     assert await stores.at(scope).runs.list_run_events(missing) == []
-    await stores.at(scope).progress.delete_progress(missing)
+    await writes(stores, scope).progress.delete_progress(missing)
 
     assert await db.snapshot() == before
 
@@ -209,46 +210,48 @@ async def test_bad_arguments_on_live_runs_are_refused_and_nothing_is_written(
 
     # A first snapshot for another run than the one claimed or created.
     with pytest.raises(InvalidArgument):
-        await stores.at(scope).suspensions.claim_suspension_leased(
+        await writes(stores, scope).suspensions.claim_suspension_leased(
             LeasedClaim(version=pin(p), lease=other, first=snapshot_for(run.id, other.owner))
         )
     with pytest.raises(InvalidArgument):
-        await stores.at(scope).runs.create_run(
+        await writes(stores, scope).runs.create_run(
             NewRun(run_id="run-new", agent_id="demo"), other, snapshot_for(run.id, other.owner)
         )
     # A first snapshot owned by someone other than the lease owner.
     with pytest.raises(RunLeaseLost):
-        await stores.at(scope).suspensions.claim_suspension_leased(
+        await writes(stores, scope).suspensions.claim_suspension_leased(
             LeasedClaim(version=pin(p), lease=other, first=snapshot_for(p.run.id, "someone-else"))
         )
     with pytest.raises(RunLeaseLost):
-        await stores.at(scope).runs.create_run(
+        await writes(stores, scope).runs.create_run(
             NewRun(run_id="run-new", agent_id="demo"), other, snapshot_for("run-new", "someone-else")
         )
     with pytest.raises(RunLeaseLost):
-        await stores.at(scope).runs.claim_continuation_leased(run.id, other, snapshot_for(run.id, "someone-else"))
+        await writes(stores, scope).runs.claim_continuation_leased(run.id, other, snapshot_for(run.id, "someone-else"))
     # A pause with nothing pending, or with a deadline that is no duration.
     with pytest.raises(InvalidArgument):
-        await stores.at(scope).runs.pause_run(run.id, held.owner, Pause(SuspendReason.APPROVAL, [], continuation()))
+        await writes(stores, scope).runs.pause_run(
+            run.id, held.owner, Pause(SuspendReason.APPROVAL, [], continuation())
+        )
     for ttl in (-1.0, math.nan, math.inf):
         with pytest.raises(InvalidArgument):
-            await stores.at(scope).runs.pause_run(
+            await writes(stores, scope).runs.pause_run(
                 run.id,
                 held.owner,
                 Pause(SuspendReason.APPROVAL, [PendingCall(id="c", name="n")], continuation(), ttl_seconds=ttl),
             )
     # "resumed" is an event, not an end.
     with pytest.raises(InvalidArgument):
-        await stores.at(scope).runs.end_run(run.id, held.owner, RunEventKind.RESUMED)
+        await writes(stores, scope).runs.end_run(run.id, held.owner, RunEventKind.RESUMED)
     # An empty owner never holds a lease.
     for call in (
-        lambda: stores.at(scope).progress.save_progress(snapshot_for(run.id, "")),
-        lambda: stores.at(scope).runs.pause_run(run.id, "", _pause()),
-        lambda: stores.at(scope).runs.end_run(run.id, "", RunEventKind.COMPLETED),
+        lambda: writes(stores, scope).progress.save_progress(snapshot_for(run.id, "")),
+        lambda: writes(stores, scope).runs.pause_run(run.id, "", _pause()),
+        lambda: writes(stores, scope).runs.end_run(run.id, "", RunEventKind.COMPLETED),
     ):
         with pytest.raises(RunLeaseLost):
             await call()
-    assert await stores.at(scope).runs.release_lease(run.id, "") is False
+    assert await writes(stores, scope).runs.release_lease(run.id, "") is False
 
     assert await db.snapshot() == before
 
@@ -265,7 +268,7 @@ async def test_a_first_snapshot_for_another_run_is_refused_by_a_continuation_cla
     before = await db.snapshot()
 
     with pytest.raises(InvalidArgument):
-        await stores.at(scope).runs.claim_continuation_leased(run.id, heir, snapshot_for(elsewhere.id, heir.owner))
+        await writes(stores, scope).runs.claim_continuation_leased(run.id, heir, snapshot_for(elsewhere.id, heir.owner))
 
     assert await db.snapshot() == before
 
@@ -296,11 +299,11 @@ async def test_a_malformed_suspension_row_is_invalid_continuation_and_a_claim_wr
         await stores.at(scope).suspensions.get_suspension(p.run.id)
     # A claim that cannot read the pause it would claim must not claim it: the run stays paused.
     with pytest.raises(InvalidContinuation):
-        await stores.at(scope).suspensions.claim_suspension(p.run.id)
+        await writes(stores, scope).suspensions.claim_suspension(p.run.id)
     with pytest.raises(InvalidContinuation):
-        await stores.at(scope).suspensions.claim_suspension_version(pin(p))
+        await writes(stores, scope).suspensions.claim_suspension_version(pin(p))
     with pytest.raises(InvalidContinuation):
-        await stores.at(scope).suspensions.claim_suspension_leased(leased(p))
+        await writes(stores, scope).suspensions.claim_suspension_leased(leased(p))
 
     assert await db.snapshot() == before
     assert (await db.run(p.run.id))["state"] == "paused"
@@ -319,9 +322,9 @@ async def test_a_malformed_expired_row_is_invalid_continuation_for_the_sweepers_
     with pytest.raises(InvalidContinuation):
         await stores.across_scopes.list_expired_across_scopes(FAR_FUTURE, None)
     with pytest.raises(InvalidContinuation):
-        await stores.at(scope).suspensions.claim_expired_suspension(p.run.id, FAR_FUTURE)
+        await writes(stores, scope).suspensions.claim_expired_suspension(p.run.id, FAR_FUTURE)
     with pytest.raises(InvalidContinuation):
-        await stores.at(scope).suspensions.claim_suspension_leased(leased(p, expired_by=FAR_FUTURE))
+        await writes(stores, scope).suspensions.claim_suspension_leased(leased(p, expired_by=FAR_FUTURE))
 
     assert await db.snapshot() == before
 
@@ -340,7 +343,7 @@ async def test_a_malformed_progress_row_is_invalid_continuation_and_a_reclaim_ha
     stores: Stores, db: Inspector, scope: Scope, column: str, bad: str
 ) -> None:
     run, held = await running_run(stores, scope)
-    await stores.at(scope).progress.save_progress(snapshot_for(run.id, held.owner))
+    await writes(stores, scope).progress.save_progress(snapshot_for(run.id, held.owner))
     await stores.at(scope).runs.renew_lease(run.id, held.model_copy(update={"ttl_seconds": 0.001}))
     await db.wait_lease_lapsed(run.id)
     quoted = await db.con.fetchval("SELECT quote_ident($1)", column)
@@ -354,7 +357,7 @@ async def test_a_malformed_progress_row_is_invalid_continuation_and_a_reclaim_ha
     # The takeover commits (so the caller, holding the run, can end it) and says the row did not decode;
     # the row itself is left as it was found.
     heir = lease()
-    (taken,) = await stores.across_scopes.reclaim_lapsed(heir, 10)
+    (taken,) = await Engine.over(stores).apply(ReclaimLapsed(heir, 10))
     assert isinstance(taken, Unreadable)
     assert (taken.run_id, taken.scope) == (run.id, scope)
     assert taken.detail.startswith("stored progress")

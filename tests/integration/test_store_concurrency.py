@@ -13,6 +13,10 @@ from typing import Any
 
 import pytest
 
+from intermission.engine.claims import ClaimedPause
+from intermission.engine.core import Engine
+from intermission.engine.holding import Reclaimed, ReclaimLapsed
+from intermission.engine.runs import Pause
 from intermission.schemas.errors import (
     NotSuspended,
     RunConflict,
@@ -25,10 +29,8 @@ from intermission.schemas.run import Lease, Run
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, PendingCall, SuspendReason
 from intermission.store import Stores
-from intermission.store.runs import Pause, Reclaimed
-from intermission.store.suspensions import ClaimedPause
 from tests.conftest import MakeStores, race
-from tests.support.factories import PausedRun, continuation, lease, paused_run, running_run
+from tests.support.factories import PausedRun, continuation, lease, paused_run, running_run, writes
 from tests.support.fleet import readable
 from tests.support.inspect import (
     FAR_FUTURE,
@@ -77,7 +79,7 @@ async def double_claim_leased_round(stores: Stores, sessions: list[Stores], db: 
     leases = [lease() for _ in range(CONTENDERS)]
 
     results = await race(
-        CONTENDERS, lambda i: sessions[i].at(scope).suspensions.claim_suspension_leased(leased(p, leases[i]))
+        CONTENDERS, lambda i: writes(sessions[i], scope).suspensions.claim_suspension_leased(leased(p, leases[i]))
     )
 
     won = winners(results)
@@ -104,7 +106,7 @@ async def double_claim_mixed_round(stores: Stores, sessions: list[Stores], db: I
     leases = [lease() for _ in range(CONTENDERS)]
 
     async def claim(i: int) -> ClaimedPause:
-        s = sessions[i].at(scope).suspensions
+        s = writes(sessions[i], scope).suspensions
         match i % 4:
             case 0:
                 return await s.claim_suspension(p.run.id)
@@ -157,7 +159,7 @@ async def deadline_round(stores: Stores, sessions: list[Stores], db: Inspector, 
     leases = [lease() for _ in range(CONTENDERS)]
 
     async def contend(i: int) -> ClaimedPause:
-        s = sessions[i].at(scope).suspensions
+        s = writes(sessions[i], scope).suspensions
         match i % 4:
             case 0:  # a resume
                 return await s.claim_suspension(p.run.id)
@@ -209,14 +211,14 @@ async def test_pinned_claims_racing_a_repause_never_claim_the_new_pause(
 async def pins_against_repause_round(stores: Stores, sessions: list[Stores], db: Inspector, scope: Scope) -> None:
     p = await paused_run(stores, scope)
     holder = lease()
-    await stores.at(scope).suspensions.claim_suspension_leased(leased(p, holder))
+    await writes(stores, scope).suspensions.claim_suspension_leased(leased(p, holder))
     # What a claimer may have read: the old pause at its paused revision, or at the running one.
     stale = [pin(p), ClaimVersion(run_id=p.run.id, suspension_id=p.suspension.id, run_revision=p.revision + 1)]
 
     async def contend(i: int) -> Any:
         if i == CONTENDERS:
-            return await stores.at(scope).runs.pause_run(p.run.id, holder.owner, repause())
-        return await sessions[i].at(scope).suspensions.claim_suspension_leased(leased(p, version=stale[i % 2]))
+            return await writes(stores, scope).runs.pause_run(p.run.id, holder.owner, repause())
+        return await writes(sessions[i], scope).suspensions.claim_suspension_leased(leased(p, version=stale[i % 2]))
 
     results = await race(CONTENDERS + 1, contend)
 
@@ -248,15 +250,17 @@ NEW_PINS = 8
 async def old_and_new_pins_round(stores: Stores, sessions: list[Stores], db: Inspector, scope: Scope) -> None:
     p = await paused_run(stores, scope)
     holder = lease()
-    await stores.at(scope).suspensions.claim_suspension_leased(leased(p, holder))
-    again = await stores.at(scope).runs.pause_run(p.run.id, holder.owner, repause())
+    await writes(stores, scope).suspensions.claim_suspension_leased(leased(p, holder))
+    again = await writes(stores, scope).runs.pause_run(p.run.id, holder.owner, repause())
     new = again.suspension
     new_version = ClaimVersion(run_id=p.run.id, suspension_id=new.id, run_revision=again.notice.run_revision)
     leases = [lease() for _ in range(CONTENDERS + NEW_PINS)]
 
     async def contend(i: int) -> ClaimedPause:
         version = pin(p) if i < CONTENDERS else new_version
-        return await sessions[i].at(scope).suspensions.claim_suspension_leased(leased(p, leases[i], version=version))
+        return await writes(sessions[i], scope).suspensions.claim_suspension_leased(
+            leased(p, leases[i], version=version)
+        )
 
     results = await race(CONTENDERS + NEW_PINS, contend)
 
@@ -291,12 +295,12 @@ async def test_unpinned_claim_waiting_behind_a_claim_and_repause_does_not_take_t
     await holder.start()
     try:
         await db.con.execute("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE", p.run.id)
-        waiting = asyncio.create_task(stores.at(scope).suspensions.claim_suspension(p.run.id))
-        # The claim statement (store/queries/suspensions.sql, claim_pause) waiting on the row lock; matched by
-        # its opening words, since pg_stat_activity keeps only the first track_activity_query_size bytes.
+        waiting = asyncio.create_task(writes(stores, scope).suspensions.claim_suspension(p.run.id))
+        # The claim statement (store/queries/engine.sql, claim_pauses_v2) waiting on the row lock; matched by
+        # the batch function it calls, within the first track_activity_query_size bytes pg_stat_activity keeps.
         await db.wait_until(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
-            " AND wait_event_type = 'Lock' AND query LIKE 'SELECT c.outcome,%')"
+            " AND wait_event_type = 'Lock' AND query LIKE '%intermission_claim_pauses_v2%')"
         )
         # Another claimer wins, and its run pauses again before the waiter gets the row.
         await db.con.execute("UPDATE runs SET state = 'running', revision = revision + 1 WHERE id = $1", p.run.id)
@@ -337,7 +341,7 @@ async def test_workers_reclaiming_one_lapsed_lease_exactly_one_takes_it_and_the_
 
 async def reclaim_round(stores: Stores, sessions: list[Stores], db: Inspector, scope: Scope) -> None:
     run, old = await running_run(stores, scope)
-    await stores.at(scope).progress.save_progress(snapshot_for(run.id, old.owner))
+    await writes(stores, scope).progress.save_progress(snapshot_for(run.id, old.owner))
     # Shorten the live lease to a millisecond, then wait for the DATABASE clock to pass it.
     await stores.at(scope).runs.renew_lease(run.id, old.model_copy(update={"ttl_seconds": 0.001}))
     await db.wait_lease_lapsed(run.id)
@@ -345,12 +349,10 @@ async def reclaim_round(stores: Stores, sessions: list[Stores], db: Inspector, s
 
     async def take(i: int) -> Run | list[Reclaimed]:
         if i % 2 == 0:
-            return (
-                await sessions[i]
-                .at(scope)
-                .runs.claim_continuation_leased(run.id, leases[i], snapshot_for(run.id, leases[i].owner, step=3))
+            return await writes(sessions[i], scope).runs.claim_continuation_leased(
+                run.id, leases[i], snapshot_for(run.id, leases[i].owner, step=3)
             )
-        return readable(await sessions[i].across_scopes.reclaim_lapsed(leases[i], 8))
+        return readable(await Engine.over(sessions[i]).apply(ReclaimLapsed(leases[i], 8)))
 
     results = await race(CONTENDERS, take)
 
@@ -369,12 +371,12 @@ async def reclaim_round(stores: Stores, sessions: list[Stores], db: Inspector, s
     losers = [leases[i].owner for i in range(CONTENDERS) if i != takers[0]]
     for who in (old.owner, *losers[:3]):
         with pytest.raises(RunLeaseLost):
-            await stores.at(scope).progress.save_progress(snapshot_for(run.id, who, step=7))
+            await writes(stores, scope).progress.save_progress(snapshot_for(run.id, who, step=7))
         with pytest.raises(RunLeaseLost):
             await stores.at(scope).runs.renew_lease(run.id, Lease(owner=who, ttl_seconds=30))
         with pytest.raises(RunLeaseLost):
-            await stores.at(scope).runs.pause_run(run.id, who, repause())
+            await writes(stores, scope).runs.pause_run(run.id, who, repause())
         with pytest.raises(RunLeaseLost):
-            await stores.at(scope).runs.end_run(run.id, who, RunEventKind.COMPLETED, output="mine")
-        assert await stores.at(scope).runs.release_lease(run.id, who) is False
+            await writes(stores, scope).runs.end_run(run.id, who, RunEventKind.COMPLETED, output="mine")
+        assert await writes(stores, scope).runs.release_lease(run.id, who) is False
     assert await db.snapshot() == before

@@ -30,7 +30,7 @@ from intermission.schemas.suspension import (
     Suspension,
 )
 from intermission.store import Stores
-from tests.support.factories import continuation, running_run
+from tests.support.factories import continuation, running_run, writes
 from tests.support.inspect import inspector
 
 # PostgreSQL text (and so jsonb) cannot hold U+0000; the store refuses it (tested below), so the
@@ -128,7 +128,7 @@ async def test_continuation_and_progress_round_trip_through_the_store_unchanged(
     # Fresh runs per example, in the property's one database: one held under a lease for the snapshot,
     # one created (never started) to carry the pause.
     run, held = await running_run(stores, scope)
-    paused_id = (await stores.at(scope).runs.create_run(NewRun(run_id=f"{run.id}-p", agent_id="demo"))).run.id
+    paused_id = (await writes(stores, scope).runs.create_run(NewRun(run_id=f"{run.id}-p", agent_id="demo"))).run.id
 
     p = Progress(
         run_id=run.id,
@@ -139,7 +139,7 @@ async def test_continuation_and_progress_round_trip_through_the_store_unchanged(
         ending=ending,
         approved=approved,
     )
-    saved = await stores.at(scope).progress.save_progress(p)
+    saved = await writes(stores, scope).progress.save_progress(p)
     got = await stores.at(scope).progress.get_progress(run.id)
     assert got == saved
     assert got.model_copy(update={"scope": None, "updated_at": None}) == p
@@ -154,7 +154,7 @@ async def test_continuation_and_progress_round_trip_through_the_store_unchanged(
         expires_at=expires_at,
         approvers=approvers,
     )
-    created = await stores.at(scope).suspensions.create_suspension(s)
+    created = await writes(stores, scope).suspensions.create_suspension(s)
     read = await stores.at(scope).suspensions.get_suspension(paused_id)
     assert read == created
     assert read.model_copy(update={"id": 0, "created_at": None}) == s
@@ -171,19 +171,21 @@ async def test_text_with_nul_is_refused_with_a_typed_error_and_nothing_is_writte
         before = await db.snapshot()
         for bad in (continuation(system_prompt="a\x00b"), continuation(session_id="\x00")):
             with pytest.raises(InvalidArgument):
-                await stores.at(scope).progress.save_progress(
+                await writes(stores, scope).progress.save_progress(
                     Progress(run_id=run.id, owner=held.owner, continuation=bad)
                 )
             with pytest.raises(InvalidArgument):
-                await stores.at(scope).suspensions.create_suspension(
+                await writes(stores, scope).suspensions.create_suspension(
                     Suspension(run_id=run.id, scope=scope, reason=SuspendReason.APPROVAL, continuation=bad)
                 )
         with pytest.raises(InvalidArgument):
-            await stores.at(scope).progress.save_progress(
+            await writes(stores, scope).progress.save_progress(
                 Progress(run_id=run.id, owner=held.owner, done=[ProgressResult(call_id="c", content="\x00")])
             )
         assert await db.snapshot() == before
 
     lookalike = continuation(system_prompt="\\u0000 and \\\\u0000 and \\", session_id="\\")
-    await stores.at(scope).progress.save_progress(Progress(run_id=run.id, owner=held.owner, continuation=lookalike))
+    await writes(stores, scope).progress.save_progress(
+        Progress(run_id=run.id, owner=held.owner, continuation=lookalike)
+    )
     assert (await stores.at(scope).progress.get_progress(run.id)).continuation == lookalike

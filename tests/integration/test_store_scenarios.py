@@ -12,6 +12,10 @@ from typing import Any
 
 import pytest
 
+from intermission.engine.claims import ClaimedPause
+from intermission.engine.core import Engine
+from intermission.engine.holding import ReclaimLapsed
+from intermission.engine.runs import Pause
 from intermission.schemas.errors import (
     IntermissionError,
     InvalidScope,
@@ -39,10 +43,8 @@ from intermission.schemas.suspension import (
     Suspension,
 )
 from intermission.store import Stores
-from intermission.store.runs import Pause
-from intermission.store.suspensions import ClaimedPause
 from tests.conftest import MakeStores, race
-from tests.support.factories import PausedRun, continuation, lease, paused_run, running_run
+from tests.support.factories import PausedRun, continuation, lease, paused_run, running_run, writes
 from tests.support.fleet import readable
 from tests.support.inspect import (
     FAR_FUTURE,
@@ -74,7 +76,7 @@ async def test_scenario_01_concurrent_double_claim_wins_once(
 ) -> None:
     p = await paused_run(stores, scope)
     a, b = await make_stores(2)
-    results = await race(2, lambda i: (a, b)[i].at(scope).suspensions.claim_suspension(p.run.id))
+    results = await race(2, lambda i: writes((a, b)[i], scope).suspensions.claim_suspension(p.run.id))
 
     won = winners(results)
     assert len(won) == 1
@@ -92,11 +94,11 @@ async def test_scenario_02_second_claim_after_win_is_not_suspended_and_row_kept(
     stores: Stores, db: Inspector, scope: Scope
 ) -> None:
     p = await paused_run(stores, scope)
-    await stores.at(scope).suspensions.claim_suspension(p.run.id)
+    await writes(stores, scope).suspensions.claim_suspension(p.run.id)
     before = await db.snapshot()
 
     with pytest.raises(NotSuspended):
-        await stores.at(scope).suspensions.claim_suspension(p.run.id)
+        await writes(stores, scope).suspensions.claim_suspension(p.run.id)
 
     assert await db.snapshot() == before
     kept = await stores.at(scope).suspensions.get_suspension(p.run.id)
@@ -108,11 +110,11 @@ async def test_scenario_03_expired_refuses_and_leaves_run_paused(stores: Stores,
     before = await db.snapshot()
 
     with pytest.raises(SuspensionExpired):
-        await stores.at(scope).suspensions.claim_suspension(p.run.id)
+        await writes(stores, scope).suspensions.claim_suspension(p.run.id)
     with pytest.raises(SuspensionExpired):
-        await stores.at(scope).suspensions.claim_suspension_version(pin(p))
+        await writes(stores, scope).suspensions.claim_suspension_version(pin(p))
     with pytest.raises(SuspensionExpired):
-        await stores.at(scope).suspensions.claim_suspension_leased(leased(p))
+        await writes(stores, scope).suspensions.claim_suspension_leased(leased(p))
 
     assert await db.snapshot() == before
     run = await db.run(p.run.id)
@@ -124,7 +126,7 @@ async def test_scenario_04_deadline_still_ahead_claims_normally(stores: Stores, 
     p = await paused_run(stores, scope, ttl_seconds=HOUR)
     assert p.suspension.expires_at is not None
 
-    got = await stores.at(scope).suspensions.claim_suspension(p.run.id)
+    got = await writes(stores, scope).suspensions.claim_suspension(p.run.id)
 
     assert got.suspension.id == p.suspension.id
     assert got.suspension.expires_at == p.suspension.expires_at
@@ -138,15 +140,15 @@ async def test_scenario_05_no_suspension_is_not_suspended_and_run_unchanged(
     stores: Stores, db: Inspector, scope: Scope
 ) -> None:
     p = await paused_run(stores, scope)
-    await stores.at(scope).suspensions.delete_suspension(p.run.id)
+    await writes(stores, scope).suspensions.delete_suspension(p.run.id)
     before = await db.snapshot()
 
     with pytest.raises(NotSuspended):
-        await stores.at(scope).suspensions.claim_suspension(p.run.id)
+        await writes(stores, scope).suspensions.claim_suspension(p.run.id)
     with pytest.raises(NotSuspended):
-        await stores.at(scope).suspensions.claim_suspension_leased(leased(p))
+        await writes(stores, scope).suspensions.claim_suspension_leased(leased(p))
     with pytest.raises(NotSuspended):
-        await stores.at(scope).suspensions.claim_expired_suspension(p.run.id, FAR_FUTURE)
+        await writes(stores, scope).suspensions.claim_expired_suspension(p.run.id, FAR_FUTURE)
     with pytest.raises(NotSuspended):
         await stores.at(scope).suspensions.get_suspension(p.run.id)
 
@@ -165,26 +167,26 @@ async def test_scenario_06_scope_is_exact_a_claim_from_another_scope_finds_nothi
 
     for foreign in (other_scope, Scope(app="other-app", tenant=scope.tenant)):
         with pytest.raises(NotSuspended):
-            await stores.at(foreign).suspensions.claim_suspension(live.run.id)
+            await writes(stores, foreign).suspensions.claim_suspension(live.run.id)
         with pytest.raises(NotSuspended):
-            await stores.at(foreign).suspensions.claim_suspension_version(pin(live))
+            await writes(stores, foreign).suspensions.claim_suspension_version(pin(live))
         with pytest.raises(NotSuspended):
-            await stores.at(foreign).suspensions.claim_suspension_leased(leased(live))
+            await writes(stores, foreign).suspensions.claim_suspension_leased(leased(live))
         with pytest.raises(NotSuspended):
-            await stores.at(foreign).suspensions.claim_expired_suspension(p.run.id, FAR_FUTURE)
+            await writes(stores, foreign).suspensions.claim_expired_suspension(p.run.id, FAR_FUTURE)
         with pytest.raises(NotSuspended):
-            await stores.at(foreign).suspensions.claim_suspension_leased(leased(p, expired_by=FAR_FUTURE))
+            await writes(stores, foreign).suspensions.claim_suspension_leased(leased(p, expired_by=FAR_FUTURE))
         with pytest.raises(NotSuspended):
             await stores.at(foreign).suspensions.get_suspension(live.run.id)
         with pytest.raises(NotSuspended):
-            await stores.at(foreign).suspensions.delete_suspension(live.run.id)
+            await writes(stores, foreign).suspensions.delete_suspension(live.run.id)
         with pytest.raises(RunNotFound):
             await stores.at(foreign).runs.get_run(live.run.id)
         assert await stores.at(foreign).suspensions.list_expired(FAR_FUTURE, None) == []
 
     assert await db.snapshot() == before
     # At its own scope the same claim works, and every row keeps the scope it was created under.
-    got = await stores.at(scope).suspensions.claim_suspension_leased(leased(live))
+    got = await writes(stores, scope).suspensions.claim_suspension_leased(leased(live))
     assert got.suspension.scope == scope
     assert got.run is not None
     assert got.run.scope == scope
@@ -198,7 +200,7 @@ async def test_scenario_07_zero_scope_is_rejected_before_any_database_access(dat
     version = ClaimVersion(run_id="run-1", suspension_id=1, run_revision=1)
     # The control: with a valid scope the closed pool IS reached, and says so.
     with pytest.raises(StoreUnavailable):
-        await dead.at(scope).suspensions.claim_suspension("run-1")
+        await writes(dead, scope).suspensions.claim_suspension("run-1")
 
     zero_scopes: list[Any] = [
         None,
@@ -209,13 +211,13 @@ async def test_scenario_07_zero_scope_is_rejected_before_any_database_access(dat
     ]
     for zero in zero_scopes:
         with pytest.raises(InvalidScope):
-            await dead.at(zero).suspensions.claim_suspension("run-1")
+            await writes(dead, zero).suspensions.claim_suspension("run-1")
         with pytest.raises(InvalidScope):
-            await dead.at(zero).suspensions.claim_suspension_version(version)
+            await writes(dead, zero).suspensions.claim_suspension_version(version)
         with pytest.raises(InvalidScope):
-            await dead.at(zero).suspensions.claim_expired_suspension("run-1", FAR_FUTURE)
+            await writes(dead, zero).suspensions.claim_expired_suspension("run-1", FAR_FUTURE)
         with pytest.raises(InvalidScope):
-            await dead.at(zero).suspensions.claim_suspension_leased(LeasedClaim(version=version, lease=lease()))
+            await writes(dead, zero).suspensions.claim_suspension_leased(LeasedClaim(version=version, lease=lease()))
 
 
 async def test_scenario_08_round_trip_keeps_arguments_new_messages_from_session_step_and_tokens(
@@ -225,14 +227,14 @@ async def test_scenario_08_round_trip_keeps_arguments_new_messages_from_session_
     cont = continuation(step=3, tokens_used=1234, new_messages_from=1, session_id="session-xyz")
     p = await paused_run(stores, scope, pending=[call])
     # paused_run pauses with the factory continuation; pause again with ours to check these exact values.
-    await stores.at(scope).suspensions.claim_suspension_leased(leased(p, holder := lease()))
-    paused = await stores.at(scope).runs.pause_run(
+    await writes(stores, scope).suspensions.claim_suspension_leased(leased(p, holder := lease()))
+    paused = await writes(stores, scope).runs.pause_run(
         p.run.id, holder.owner, Pause(reason=SuspendReason.EXTERNAL_TOOL, pending=[call], continuation=cont)
     )
 
     for got in (
         await stores.at(scope).suspensions.get_suspension(p.run.id),
-        (await stores.at(scope).suspensions.claim_suspension(p.run.id)).suspension,
+        (await writes(stores, scope).suspensions.claim_suspension(p.run.id)).suspension,
     ):
         assert got.id == paused.suspension.id
         assert got.pending == [call]
@@ -252,11 +254,11 @@ async def test_scenario_08_round_trip_keeps_arguments_new_messages_from_session_
 async def test_scenario_11_second_resume_loses_the_race(stores: Stores, db: Inspector, scope: Scope) -> None:
     p = await paused_run(stores, scope)
     first = lease()
-    await stores.at(scope).suspensions.claim_suspension_leased(leased(p, first))
+    await writes(stores, scope).suspensions.claim_suspension_leased(leased(p, first))
     before = await db.snapshot()
 
     with pytest.raises(NotSuspended):
-        await stores.at(scope).suspensions.claim_suspension_leased(leased(p))
+        await writes(stores, scope).suspensions.claim_suspension_leased(leased(p))
 
     assert await db.snapshot() == before
     run = await db.run(p.run.id)
@@ -271,7 +273,7 @@ async def test_scenario_12_expired_suspension_is_reported_and_nothing_is_written
     outbox_before = await db.count("outbox", p.run.id)
 
     with pytest.raises(SuspensionExpired):
-        await stores.at(scope).suspensions.claim_suspension_leased(leased(p))
+        await writes(stores, scope).suspensions.claim_suspension_leased(leased(p))
 
     # No run update (not even updated_at), no deletion, no progress, no event.
     assert await db.snapshot() == before
@@ -284,38 +286,38 @@ async def test_scenario_13_every_write_uses_the_runs_stored_scope(
 ) -> None:
     p = await paused_run(stores, scope)
     holder = lease()
-    await stores.at(scope).suspensions.claim_suspension_leased(leased(p, holder))
+    await writes(stores, scope).suspensions.claim_suspension_leased(leased(p, holder))
     before = await db.snapshot()
 
     # The lease owner itself, calling with any scope but the stored one, can write nothing.
     for foreign in (other_scope, Scope(app="other-app", tenant=scope.tenant)):
         with pytest.raises(RunLeaseLost):
-            await stores.at(foreign).progress.save_progress(snapshot_for(p.run.id, holder.owner))
+            await writes(stores, foreign).progress.save_progress(snapshot_for(p.run.id, holder.owner))
         with pytest.raises(RunLeaseLost):
             await stores.at(foreign).runs.renew_lease(p.run.id, holder)
         with pytest.raises(RunLeaseLost):
-            await stores.at(foreign).runs.pause_run(
+            await writes(stores, foreign).runs.pause_run(
                 p.run.id,
                 holder.owner,
                 Pause(SuspendReason.EXTERNAL_TOOL, [PendingCall(id="c2", name="lookup")], continuation()),
             )
         with pytest.raises(RunLeaseLost):
-            await stores.at(foreign).runs.end_run(p.run.id, holder.owner, RunEventKind.COMPLETED, output="x")
-        assert await stores.at(foreign).runs.release_lease(p.run.id, holder.owner) is False
+            await writes(stores, foreign).runs.end_run(p.run.id, holder.owner, RunEventKind.COMPLETED, output="x")
+        assert await writes(stores, foreign).runs.release_lease(p.run.id, holder.owner) is False
         with pytest.raises(RunNotFound):
-            await stores.at(foreign).runs.claim_continuation_leased(p.run.id, lease())
+            await writes(stores, foreign).runs.claim_continuation_leased(p.run.id, lease())
         with pytest.raises(ProgressNotFound):
             await stores.at(foreign).progress.get_progress(p.run.id)
-        await stores.at(foreign).progress.delete_progress(p.run.id)  # nothing there at that scope: a no-op
+        await writes(stores, foreign).progress.delete_progress(p.run.id)  # nothing there at that scope: a no-op
     assert await db.snapshot() == before
 
     # At the stored scope the same writes land, every row under that scope.
-    saved = await stores.at(scope).progress.save_progress(
+    saved = await writes(stores, scope).progress.save_progress(
         snapshot_for(p.run.id, holder.owner).model_copy(update={"scope": other_scope})
     )
     assert saved.scope == scope
     await stores.at(scope).runs.renew_lease(p.run.id, holder)
-    await stores.at(scope).runs.end_run(p.run.id, holder.owner, RunEventKind.COMPLETED, output="done")
+    await writes(stores, scope).runs.end_run(p.run.id, holder.owner, RunEventKind.COMPLETED, output="done")
     scoped = await db.con.fetch(
         "SELECT 'runs' AS t, app, tenant FROM runs WHERE id = $1"
         " UNION ALL SELECT 'outbox', app, tenant FROM outbox WHERE run_id = $1"
@@ -331,7 +333,7 @@ async def test_scenario_13_every_write_uses_the_runs_stored_scope(
 
 async def sweep_claim(stores: Stores, s: Suspension, sweeper: Lease) -> ClaimedPause:
     """What the sweeper does with one listed row: rebind to the ROW's scope and claim it as expired."""
-    return await stores.at(s.scope).suspensions.claim_suspension_leased(
+    return await writes(stores, s.scope).suspensions.claim_suspension_leased(
         LeasedClaim(
             # A read, then a claim PINNED to what was read: a change in between makes the claim fail.
             version=ClaimVersion(
@@ -363,10 +365,10 @@ async def test_scenario_23_sweep_fails_only_the_past_deadline_run(stores: Stores
     claimed = await sweep_claim(stores, listed[0], sweeper)
     assert claimed.suspension.id == expired.suspension.id
     with pytest.raises(NotSuspended):
-        await stores.at(scope).suspensions.claim_expired_suspension(waiting.run.id, FAR_FUTURE)
+        await writes(stores, scope).suspensions.claim_expired_suspension(waiting.run.id, FAR_FUTURE)
     with pytest.raises(NotSuspended):
-        await stores.at(scope).suspensions.claim_suspension_leased(leased(waiting, expired_by=FAR_FUTURE))
-    await stores.at(scope).runs.end_run(
+        await writes(stores, scope).suspensions.claim_suspension_leased(leased(waiting, expired_by=FAR_FUTURE))
+    await writes(stores, scope).runs.end_run(
         expired.run.id, sweeper.owner, RunEventKind.EXPIRED, error=SuspensionExpired.code
     )
 
@@ -394,14 +396,14 @@ async def test_scenario_24_works_under_each_suspensions_own_scope(
     ]
     # The list crosses scopes; a claim never does.
     with pytest.raises(NotSuspended):
-        await stores.at(scope).suspensions.claim_expired_suspension(theirs.run.id, FAR_FUTURE)
+        await writes(stores, scope).suspensions.claim_expired_suspension(theirs.run.id, FAR_FUTURE)
     with pytest.raises(NotSuspended):
-        await stores.at(other_scope).suspensions.claim_expired_suspension(mine.run.id, FAR_FUTURE)
+        await writes(stores, other_scope).suspensions.claim_expired_suspension(mine.run.id, FAR_FUTURE)
 
     for s in listed:
         sweeper = lease()
         await sweep_claim(stores, s, sweeper)
-        await stores.at(s.scope).runs.end_run(s.run_id, sweeper.owner, RunEventKind.EXPIRED, error="expired")
+        await writes(stores, s.scope).runs.end_run(s.run_id, sweeper.owner, RunEventKind.EXPIRED, error="expired")
     for p, own in ((mine, scope), (theirs, other_scope)):
         run = await db.run(p.run.id)
         assert (run["state"], run["app"], run["tenant"]) == ("failed", own.app, own.tenant)
@@ -418,7 +420,7 @@ async def test_scenario_25_skips_a_run_a_resume_already_claimed(stores: Stores, 
     for _ in range(6):
         p = await paused_run(stores, scope, ttl_seconds=ttl)
         try:
-            await stores.at(scope).suspensions.claim_suspension_leased(leased(p, resumer))
+            await writes(stores, scope).suspensions.claim_suspension_leased(leased(p, resumer))
             break
         except SuspensionExpired:
             ttl *= 4
@@ -430,7 +432,7 @@ async def test_scenario_25_skips_a_run_a_resume_already_claimed(stores: Stores, 
     listed = await stores.across_scopes.list_expired_across_scopes(FAR_FUTURE, None)
     row = next(s for s in listed if s.run_id == p.run.id)
     with pytest.raises(NotSuspended):
-        await stores.at(row.scope).suspensions.claim_expired_suspension(row.run_id, FAR_FUTURE)
+        await writes(stores, row.scope).suspensions.claim_expired_suspension(row.run_id, FAR_FUTURE)
     with pytest.raises(NotSuspended):
         await sweep_claim(stores, row, lease())
 
@@ -447,16 +449,16 @@ async def test_scenario_26_clears_a_row_left_on_a_terminal_run_and_keeps_one_on_
     terminal: dict[str, RunState] = {}
     for kind in (RunEventKind.COMPLETED, RunEventKind.FAILED, RunEventKind.CANCELLED):
         run, held = await running_run(stores, scope)
-        await stores.at(scope).runs.end_run(run.id, held.owner, kind, output="o", error="e")
+        await writes(stores, scope).runs.end_run(run.id, held.owner, kind, output="o", error="e")
         # A row left behind on a run that already ended (the original's crash window).
-        await stores.at(scope).suspensions.create_suspension(
+        await writes(stores, scope).suspensions.create_suspension(
             Suspension(run_id=run.id, scope=scope, reason=SuspendReason.EXTERNAL_TOOL, expires_at=past)
         )
         terminal[run.id] = (await stores.at(scope).runs.get_run(run.id)).state
     running = await paused_run(stores, scope, ttl_seconds=HOUR)
-    await stores.at(scope).suspensions.claim_suspension_leased(leased(running))
-    await stores.at(scope).suspensions.delete_suspension(running.run.id)
-    await stores.at(scope).suspensions.create_suspension(
+    await writes(stores, scope).suspensions.claim_suspension_leased(leased(running))
+    await writes(stores, scope).suspensions.delete_suspension(running.run.id)
+    await writes(stores, scope).suspensions.create_suspension(
         Suspension(run_id=running.run.id, scope=scope, reason=SuspendReason.EXTERNAL_TOOL, expires_at=past)
     )
     assert set(terminal.values()) == {RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED}
@@ -464,10 +466,10 @@ async def test_scenario_26_clears_a_row_left_on_a_terminal_run_and_keeps_one_on_
     # The sweeper's primitives: list across scopes, then per row at the row's scope.
     for s in await stores.across_scopes.list_expired_across_scopes(FAR_FUTURE, None):
         with pytest.raises(NotSuspended):  # nothing to claim on a run that is not paused
-            await stores.at(s.scope).suspensions.claim_expired_suspension(s.run_id, FAR_FUTURE)
+            await writes(stores, s.scope).suspensions.claim_expired_suspension(s.run_id, FAR_FUTURE)
         state = (await stores.at(s.scope).runs.get_run(s.run_id)).state
         if state.is_terminal:
-            await stores.at(s.scope).suspensions.delete_suspension(s.run_id)
+            await writes(stores, s.scope).suspensions.delete_suspension(s.run_id)
 
     for run_id, state in terminal.items():
         assert await db.suspension(run_id) is None
@@ -488,7 +490,7 @@ async def test_scenario_27_a_failing_write_is_reported_and_the_row_is_kept(
     await db.fail_inserts_into("outbox")
 
     with pytest.raises(IntermissionError) as failure:
-        await stores.at(scope).runs.end_run(p.run.id, sweeper.owner, RunEventKind.EXPIRED, error="expired")
+        await writes(stores, scope).runs.end_run(p.run.id, sweeper.owner, RunEventKind.EXPIRED, error="expired")
 
     assert not isinstance(failure.value, TransientError)
     assert await db.snapshot() == before
@@ -508,8 +510,8 @@ async def test_scenario_38_version_claim_after_a_repause_is_refused(
 ) -> None:
     p = await paused_run(stores, scope)
     holder = lease()
-    await stores.at(scope).suspensions.claim_suspension_leased(leased(p, holder))
-    again = await stores.at(scope).runs.pause_run(
+    await writes(stores, scope).suspensions.claim_suspension_leased(leased(p, holder))
+    again = await writes(stores, scope).runs.pause_run(
         p.run.id, holder.owner, Pause(SuspendReason.APPROVAL, [PendingCall(id="c9", name="pay")], continuation())
     )
     assert again.notice.run_revision == p.revision + 2
@@ -523,9 +525,9 @@ async def test_scenario_38_version_claim_after_a_repause_is_refused(
     ]
     for stale in stale_pins:
         with pytest.raises(RunConflict):
-            await stores.at(scope).suspensions.claim_suspension_version(stale)
+            await writes(stores, scope).suspensions.claim_suspension_version(stale)
         with pytest.raises(RunConflict):
-            await stores.at(scope).suspensions.claim_suspension_leased(leased(p, version=stale))
+            await writes(stores, scope).suspensions.claim_suspension_leased(leased(p, version=stale))
 
     assert await db.snapshot() == before
     run = await db.run(p.run.id)
@@ -546,17 +548,17 @@ async def test_scenario_39_half_lease_or_foreign_first_owner_is_lease_lost(
     half_leases = [Lease(owner="worker-a"), Lease(ttl_seconds=30), Lease(), Lease(owner="worker-a", ttl_seconds=-1)]
     for half in half_leases:
         with pytest.raises(RunLeaseLost):
-            await stores.at(scope).suspensions.claim_suspension_leased(LeasedClaim(version=pin(p), lease=half))
+            await writes(stores, scope).suspensions.claim_suspension_leased(LeasedClaim(version=pin(p), lease=half))
         with pytest.raises(RunLeaseLost):
-            await stores.at(scope).runs.claim_continuation_leased(running.id, half)
+            await writes(stores, scope).runs.claim_continuation_leased(running.id, half)
     whole = lease()
     foreign_first = snapshot_for(p.run.id, "somebody-else")
     with pytest.raises(RunLeaseLost):
-        await stores.at(scope).suspensions.claim_suspension_leased(
+        await writes(stores, scope).suspensions.claim_suspension_leased(
             LeasedClaim(version=pin(p), lease=whole, first=foreign_first)
         )
     with pytest.raises(RunLeaseLost):
-        await stores.at(scope).runs.claim_continuation_leased(
+        await writes(stores, scope).runs.claim_continuation_leased(
             running.id, whole, snapshot_for(running.id, "somebody-else")
         )
 
@@ -571,18 +573,18 @@ async def test_scenario_40_save_progress_after_takeover_or_with_empty_owner_is_l
     run, old = await running_run(stores, scope, holder=lease(ttl=TINY_TTL))
     await db.wait_lease_lapsed(run.id)
     new = lease()
-    await stores.at(scope).runs.claim_continuation_leased(run.id, new, snapshot_for(run.id, new.owner))
+    await writes(stores, scope).runs.claim_continuation_leased(run.id, new, snapshot_for(run.id, new.owner))
     # A run that is running with NO lease at all (an unleased version claim) is no help to an empty owner.
     bare = await paused_run(stores, scope)
-    await stores.at(scope).suspensions.claim_suspension_version(pin(bare))
+    await writes(stores, scope).suspensions.claim_suspension_version(pin(bare))
     assert (await db.run(bare.run.id))["lease_owner"] is None
     before = await db.snapshot()
 
     with pytest.raises(RunLeaseLost):
-        await stores.at(scope).progress.save_progress(snapshot_for(run.id, old.owner, step=9))
+        await writes(stores, scope).progress.save_progress(snapshot_for(run.id, old.owner, step=9))
     for run_id in (run.id, bare.run.id):
         with pytest.raises(RunLeaseLost):
-            await stores.at(scope).progress.save_progress(snapshot_for(run_id, "", step=9))
+            await writes(stores, scope).progress.save_progress(snapshot_for(run_id, "", step=9))
 
     assert await db.snapshot() == before
     assert (await stores.at(scope).progress.get_progress(run.id)).owner == new.owner
@@ -605,7 +607,7 @@ async def test_scenario_41_saved_progress_comes_back_byte_for_byte_with_scope_an
     )
     clock_before = await db.now()
 
-    saved = await stores.at(scope).progress.save_progress(p)
+    saved = await writes(stores, scope).progress.save_progress(p)
 
     clock_after = await db.now()
     got = await stores.at(scope).progress.get_progress(run.id)
@@ -622,33 +624,33 @@ async def test_scenario_42_progress_from_another_scope_is_not_found_and_deleting
     stores: Stores, db: Inspector, scope: Scope, other_scope: Scope
 ) -> None:
     run, held = await running_run(stores, scope)
-    await stores.at(scope).progress.save_progress(snapshot_for(run.id, held.owner))
+    await writes(stores, scope).progress.save_progress(snapshot_for(run.id, held.owner))
 
     for foreign in (other_scope, Scope(app="other-app", tenant=scope.tenant)):
         with pytest.raises(ProgressNotFound):
             await stores.at(foreign).progress.get_progress(run.id)
-        await stores.at(foreign).progress.delete_progress(run.id)
+        await writes(stores, foreign).progress.delete_progress(run.id)
     assert await db.progress(run.id) is not None  # a foreign delete removed nothing
 
-    await stores.at(scope).progress.delete_progress(run.id)
+    await writes(stores, scope).progress.delete_progress(run.id)
     assert await db.progress(run.id) is None
-    await stores.at(scope).progress.delete_progress(run.id)  # missing: returns None, raises nothing
-    await stores.at(scope).progress.delete_progress("no-such-run")
+    await writes(stores, scope).progress.delete_progress(run.id)  # missing: returns None, raises nothing
+    await writes(stores, scope).progress.delete_progress("no-such-run")
     with pytest.raises(ProgressNotFound):
         await stores.at(scope).progress.get_progress(run.id)
 
 
 async def test_scenario_43_worker_dies_after_a_leased_claim_and_the_sweep_reclaims_reusing_done(
-    stores: Stores, db: Inspector, scope: Scope
+    stores: Stores, engine: Engine, db: Inspector, scope: Scope
 ) -> None:
     p = await paused_run(stores, scope)
     dead = lease(ttl=TINY_TTL)
     claim = leased(p, dead)
-    await stores.at(scope).suspensions.claim_suspension_leased(claim)
+    await writes(stores, scope).suspensions.claim_suspension_leased(claim)
     await db.wait_lease_lapsed(p.run.id)
 
     sweep = lease()
-    taken = readable(await stores.across_scopes.reclaim_lapsed(sweep, 10))
+    taken = readable(await engine.apply(ReclaimLapsed(sweep, 10)))
 
     assert [t.run.id for t in taken] == [p.run.id]
     assert taken[0].run.lease_owner == sweep.owner
@@ -658,9 +660,9 @@ async def test_scenario_43_worker_dies_after_a_leased_claim_and_the_sweep_reclai
     assert taken[0].progress.done == claim.first.done
     assert taken[0].progress.owner == sweep.owner
     assert (await stores.at(scope).progress.get_progress(p.run.id)).done == claim.first.done
-    assert await stores.across_scopes.reclaim_lapsed(lease(), 10) == []  # held again: nobody else takes it
+    assert await engine.apply(ReclaimLapsed(lease(), 10)) == []  # held again: nobody else takes it
     with pytest.raises(RunLeaseLost):
-        await stores.at(scope).progress.save_progress(snapshot_for(p.run.id, dead.owner))
+        await writes(stores, scope).progress.save_progress(snapshot_for(p.run.id, dead.owner))
 
 
 async def test_scenario_44_a_started_call_survives_the_death_of_its_worker(
@@ -668,28 +670,28 @@ async def test_scenario_44_a_started_call_survives_the_death_of_its_worker(
 ) -> None:
     run, dead = await running_run(stores, scope)
     charge = PendingCall(id="c-charge", name="charge", arguments='{"amount": 100}')
-    await stores.at(scope).progress.save_progress(
+    await writes(stores, scope).progress.save_progress(
         Progress(run_id=run.id, owner=dead.owner, continuation=continuation(), started=[charge])
     )
     await stores.at(scope).runs.renew_lease(run.id, dead.model_copy(update={"ttl_seconds": TINY_TTL}))
     await db.wait_lease_lapsed(run.id)
 
     heir = lease()
-    taken = await stores.at(scope).runs.claim_continuation_leased(run.id, heir)
+    taken = await writes(stores, scope).runs.claim_continuation_leased(run.id, heir)
 
     assert taken.lease_owner == heir.owner
     inherited = await stores.at(scope).progress.get_progress(run.id)
     assert inherited.started == [charge]  # the new worker knows the charge was handed over already
-    kept = await stores.at(scope).progress.save_progress(inherited.model_copy(update={"owner": heir.owner}))
+    kept = await writes(stores, scope).progress.save_progress(inherited.model_copy(update={"owner": heir.owner}))
     assert kept.started == [charge]
 
 
 async def test_scenario_45_a_reclaimed_cancel_ending_ends_the_run_cancelled(
-    stores: Stores, db: Inspector, scope: Scope
+    stores: Stores, engine: Engine, db: Inspector, scope: Scope
 ) -> None:
     p = await paused_run(stores, scope)
     canceller = lease(ttl=TINY_TTL)
-    await stores.at(scope).suspensions.claim_suspension_leased(
+    await writes(stores, scope).suspensions.claim_suspension_leased(
         LeasedClaim(
             version=pin(p),
             lease=canceller,
@@ -704,10 +706,10 @@ async def test_scenario_45_a_reclaimed_cancel_ending_ends_the_run_cancelled(
     await db.wait_lease_lapsed(p.run.id)
 
     heir = lease()
-    (taken,) = readable(await stores.across_scopes.reclaim_lapsed(heir, 10))
+    (taken,) = readable(await engine.apply(ReclaimLapsed(heir, 10)))
     assert taken.progress is not None
     assert taken.progress.ending == Ending(kind=EndingKind.CANCEL)
-    await stores.at(scope).runs.end_run(p.run.id, heir.owner, RunEventKind.CANCELLED)
+    await writes(stores, scope).runs.end_run(p.run.id, heir.owner, RunEventKind.CANCELLED)
 
     run = await db.run(p.run.id)
     assert (run["state"], run["lease_owner"]) == ("cancelled", None)
@@ -730,18 +732,18 @@ async def test_scenario_46_expired_by_before_deadline_claims_nothing_and_normal_
     # has not reached the deadline.
     for by in (ahead.suspension.expires_at - timedelta(seconds=1), FAR_FUTURE):
         with pytest.raises(NotSuspended):
-            await stores.at(scope).suspensions.claim_suspension_leased(leased(ahead, expired_by=by))
+            await writes(stores, scope).suspensions.claim_suspension_leased(leased(ahead, expired_by=by))
     with pytest.raises(NotSuspended):
-        await stores.at(scope).suspensions.claim_suspension_leased(
+        await writes(stores, scope).suspensions.claim_suspension_leased(
             leased(expired, expired_by=expired.suspension.expires_at - timedelta(microseconds=1))
         )
     # A normal (unexpired-only) leased claim on the expired pause.
     with pytest.raises(SuspensionExpired):
-        await stores.at(scope).suspensions.claim_suspension_leased(leased(expired))
+        await writes(stores, scope).suspensions.claim_suspension_leased(leased(expired))
     assert await db.snapshot() == before
 
     # ExpiredBy exactly at the deadline claims it: "at or before".
-    got = await stores.at(scope).suspensions.claim_suspension_leased(
+    got = await writes(stores, scope).suspensions.claim_suspension_leased(
         leased(expired, expired_by=expired.suspension.expires_at)
     )
     assert got.run is not None
@@ -759,12 +761,12 @@ async def test_leased_claim_commits_the_claim_the_lease_and_the_first_snapshot_t
     await db.fail_inserts_into("progress")
 
     with pytest.raises(IntermissionError):
-        await stores.at(scope).suspensions.claim_suspension_leased(leased(p))
+        await writes(stores, scope).suspensions.claim_suspension_leased(leased(p))
 
     assert await db.snapshot() == before
     run = await db.run(p.run.id)
     assert (run["state"], run["revision"], run["lease_owner"]) == ("paused", p.revision, None)
     # Without a first snapshot the same claim (no progress insert) goes through.
-    got = await stores.at(scope).suspensions.claim_suspension_leased(leased(p, with_first=False))
+    got = await writes(stores, scope).suspensions.claim_suspension_leased(leased(p, with_first=False))
     assert got.run is not None
     assert got.run.lease_owner is not None

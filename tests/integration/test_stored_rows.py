@@ -11,7 +11,7 @@ from intermission.schemas.errors import InvalidContinuation
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import CONTINUATION_SCHEMA_VERSION, Progress
 from intermission.store import Stores
-from tests.support.factories import continuation, paused_run, running_run
+from tests.support.factories import continuation, paused_run, running_run, writes
 from tests.support.inspect import Inspector
 
 # (path in the continuation document, a value of the wrong JSON type that lax decoding would coerce)
@@ -46,7 +46,7 @@ async def test_a_snapshot_whose_continuation_holds_a_coercible_value_is_a_scan_e
 ) -> None:
     run, held = await running_run(stores, scope)
     snapshot = Progress(run_id=run.id, owner=held.owner, continuation=continuation())
-    await stores.at(scope).progress.save_progress(snapshot)
+    await writes(stores, scope).progress.save_progress(snapshot)
     await db.con.execute(
         "UPDATE progress SET continuation = jsonb_set(continuation, $1::text[], $2::jsonb) WHERE run_id = $3",
         path,

@@ -26,7 +26,7 @@ from intermission.schemas.suspension import Progress
 from intermission.store import Stores
 from intermission.wire import EVENTS_EXCHANGE
 from tests.support.amqp import CaptureFactory, ConnectionFactory
-from tests.support.factories import continuation, paused_run, running_run
+from tests.support.factories import continuation, paused_run, running_run, writes
 from tests.support.fleet import fast_settings
 from tests.support.fleet import worker as fleet_worker
 from tests.support.inspect import Inspector
@@ -45,7 +45,7 @@ async def test_an_undecodable_snapshot_is_quarantined_and_the_rest_of_the_batch_
     runs = []
     for _ in range(5):
         run, held = await running_run(stores, scope)
-        await stores.at(scope).progress.save_progress(
+        await writes(stores, scope).progress.save_progress(
             Progress(run_id=run.id, owner=held.owner, continuation=continuation(step=1))
         )
         runs.append(run)
@@ -132,7 +132,7 @@ async def test_a_cancelled_statement_in_the_reclaim_sweep_is_logged_and_the_swee
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO)
-    await cancel_while_locked(database_url, db, "runs", "intermission_take_over_v1")
+    await cancel_while_locked(database_url, db, "runs", "intermission_take_over_v2")
     assert (await logged(caplog, "reclaim_retry")).__dict__["error"] == "store_unavailable"
     # The sweep still takes over a lapsed run.
     run, _ = await running_run(stores, scope)

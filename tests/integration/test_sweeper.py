@@ -22,7 +22,7 @@ from intermission.store import Stores
 from intermission.store.db import Database
 from intermission.wire import COMMANDS_EXCHANGE, SCHEMA_VERSION, SCHEMA_VERSION_HEADER, Command
 from tests.conftest import MakeStores, race
-from tests.support.factories import PausedRun, paused_run
+from tests.support.factories import PausedRun, paused_run, writes
 from tests.support.waiting import eventually
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ async def test_sweeper_publishes_one_deterministic_expire_per_expired_pause_of_a
     await paused_run(stores, scope, ttl_seconds=HOUR)
     await paused_run(stores, scope, ttl_seconds=0)
     (claimed,) = await expired_pauses(stores, database_url, scope, 1)
-    await stores.at(scope).suspensions.claim_expired_suspension(claimed.run.id, FAR_FUTURE)
+    await writes(stores, scope).suspensions.claim_expired_suspension(claimed.run.id, FAR_FUTURE)
 
     sweeper = await new_sweeper(stores.db, amqp_url, amqp_connect, sweepers, batch=10)
     assert await sweeper.sweep_once() == 3

@@ -19,6 +19,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanKind
 
+from intermission.engine.claims import CLAIM
+from intermission.engine.commands import Start
+from intermission.engine.core import Engine
+from intermission.engine.starts import RunDefaults
 from intermission.fleet.logs import json_handler
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker
@@ -30,7 +34,6 @@ from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.schemas.suspension import Notice
 from intermission.store import Stores
-from intermission.store.commands import RunDefaults
 from intermission.tracing import LINK_BATCH, LINK_COMMAND, LINK_KIND, LINK_PAUSE, LINK_TAKEN_OVER, parsed, trace_id_of
 from intermission.wire import TRACEPARENT_HEADER
 from tests.support import fleet
@@ -279,8 +282,7 @@ async def test_a_batch_keeps_each_command_in_its_own_trace_linked_to_their_one_t
             lambda r: isinstance(r.event, RunEvent) and r.event.kind is RunEventKind.COMPLETED, len(commands)
         )
         await w.drain()
-        assert w.consumers.batches is not None
-        assert max(w.consumers.batches.sizes) == len(batched)
+        assert max(w.fleet.engine.scheduler.sizes(CLAIM)) == len(batched)
 
     # Each run's events stay in its own trace, though its resume went through a shared transaction.
     by_run = {r.event.run_id: r for r in completed}
@@ -292,10 +294,12 @@ async def test_a_batch_keeps_each_command_in_its_own_trace_linked_to_their_one_t
 
     await eventually(all_ended, within=WAIT, what="the batch's transaction span")
     found = Spans(spans.get_finished_spans())
+    # The resumes' claims went in one statement of the claim family (other families batch on their own).
     shared = next(
         s
         for s in found.named("commands transaction")
         if (s.attributes or {})["intermission.batch.size"] == len(batched)
+        and (s.attributes or {})["intermission.transition"] == CLAIM.name
     )
     resumes = [
         s
@@ -322,7 +326,7 @@ async def test_a_run_taken_over_goes_on_in_its_trace_linked_to_where_it_was(
     dead = Lease(owner="worker-that-died", ttl_seconds=30)
     defaults = RunDefaults(pause_ttl_seconds=0, max_steps=8)
     with trace.use_span(NonRecordingSpan(host_span)):
-        assert await stores.commands.start(cmd, defaults, dead) is not None
+        assert await Engine.over(stores, lease=dead, defaults=defaults).apply(Start(cmd)) is not None
     async with stores.db.connection() as con:
         await con.raw.execute("UPDATE runs SET lease_expires_at = now() WHERE id = $1", cmd.run_id)
 

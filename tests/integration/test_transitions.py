@@ -10,16 +10,19 @@ from typing import Any
 
 import pytest
 
+from intermission.engine.commands import Claimed, Resume, Start
+from intermission.engine.core import Engine
+from intermission.engine.starts import RunDefaults
 from intermission.schemas.commands import ResumeCommand, StartCommand, ToolAnswer
 from intermission.schemas.errors import InvalidContinuation, MessageIdConflict, NotSuspended, RunConflict, RunLeaseLost
 from intermission.schemas.events import RunEventKind
 from intermission.schemas.llm import Message, Role
+from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
-from intermission.store.commands import RunDefaults
 from intermission.store.inbox import AlreadyApplied, Receipt
 from tests.conftest import MakeStores, race
-from tests.support.factories import PausedRun, lease, paused_run, running_run
+from tests.support.factories import PausedRun, lease, paused_run, running_run, writes
 from tests.support.inspect import Inspector, pin, unexpected, winners
 
 
@@ -33,6 +36,14 @@ def answer(p: PausedRun, content: str = "sunny") -> ResumeCommand:
 
 def receipt(cmd: ResumeCommand, message_id: str | None = None) -> Receipt:
     return Receipt.of(message_id or str(uuid.uuid4()), "run.resume", cmd)
+
+
+async def resume(
+    stores: Stores, cmd: ResumeCommand, held: Lease, *, receipt: Receipt, correlation_id: str | None = None
+) -> Claimed:
+    """The resume command as a worker's handler applies it: through an engine over ``stores``, under ``held``."""
+    engine = Engine.over(stores).under(lease=held)
+    return await engine.apply(Resume(cmd, receipt=receipt, correlation_id=correlation_id))
 
 
 async def written(db: Inspector, run_id: str) -> dict[str, Any]:
@@ -68,7 +79,7 @@ async def test_a_resume_writes_its_claim_lease_snapshot_inbox_record_and_event_a
 ) -> None:
     p = await paused_run(stores, scope)
     held = lease()
-    claimed = await stores.commands.resume(answer(p), held, receipt=receipt(answer(p)), correlation_id="m")
+    claimed = await resume(stores, answer(p), held, receipt=receipt(answer(p)), correlation_id="m")
 
     wrote = await written(db, p.run.id)
     assert wrote["run"] == {"state": "running", "revision": p.revision + 1, "leased": True, "live": True}
@@ -101,11 +112,12 @@ async def test_a_message_id_recorded_for_another_command_is_a_conflict_and_the_r
     p = await paused_run(stores, scope)
     start = StartCommand(scope=scope, run_id=f"run-{uuid.uuid4().hex[:8]}", agent_id="demo")
     defaults = RunDefaults(pause_ttl_seconds=0, max_steps=8)
-    await stores.commands.start(start, defaults, lease(), receipt=Receipt.of("taken", "run.start", start))
+    starter = Engine.over(stores).under(lease=lease(), defaults=defaults)
+    await starter.apply(Start(start, Receipt.of("taken", "run.start", start)))
     before = await db.snapshot()
 
     with pytest.raises(MessageIdConflict):
-        await stores.commands.resume(answer(p), lease(), receipt=receipt(answer(p), "taken"))
+        await resume(stores, answer(p), lease(), receipt=receipt(answer(p), "taken"))
     assert await db.snapshot() == before
 
 
@@ -115,10 +127,10 @@ async def test_a_resume_delivered_again_after_it_applied_is_a_duplicate_and_writ
     p = await paused_run(stores, scope)
     cmd = answer(p)
     once = receipt(cmd)
-    await stores.commands.resume(cmd, lease(), receipt=once)
+    await resume(stores, cmd, lease(), receipt=once)
     before = await db.snapshot()
     with pytest.raises(AlreadyApplied):
-        await stores.commands.resume(cmd, lease(), receipt=once)
+        await resume(stores, cmd, lease(), receipt=once)
     assert await db.snapshot() == before
 
 
@@ -131,7 +143,7 @@ async def test_the_same_resume_delivered_twice_at_once_has_one_effect(
         p = await paused_run(contenders[0], scope)
         cmd = answer(p)
         once = receipt(cmd)
-        return p, await race(2, lambda i: contenders[i].commands.resume(cmd, lease(), receipt=once))
+        return p, await race(2, lambda i: resume(contenders[i], cmd, lease(), receipt=once))
 
     for _ in range(5):
         p, results = await one_round()
@@ -149,7 +161,7 @@ async def test_different_resumes_of_one_pause_at_once_claim_it_once(
     p = await paused_run(contenders[0], scope)
     results = await race(
         16,
-        lambda i: contenders[i].commands.resume(answer(p, f"answer {i}"), lease(), receipt=receipt(answer(p))),
+        lambda i: resume(contenders[i], answer(p, f"answer {i}"), lease(), receipt=receipt(answer(p))),
     )
     assert len(winners(results)) == 1
     assert unexpected(results, (NotSuspended, RunConflict)) == []
@@ -171,7 +183,7 @@ async def test_a_resume_of_a_row_that_does_not_decode_is_invalid_continuation_an
     await db.con.execute(f"UPDATE {table} SET {field} = $2::jsonb WHERE {key} = $1", p.run.id, bad)
     before = await db.snapshot()
     with pytest.raises(InvalidContinuation):
-        await stores.commands.resume(answer(p), lease(), receipt=receipt(answer(p)))
+        await resume(stores, answer(p), lease(), receipt=receipt(answer(p)))
     assert await db.snapshot() == before
     assert (await db.run(p.run.id))["state"] == "paused"
 
@@ -215,7 +227,7 @@ async def test_an_end_writes_its_state_session_checkpoints_and_events_and_remove
         scope.app,
         scope.tenant,
     )
-    event = await stores.at(scope).runs.end_run(
+    event = await writes(stores, scope).runs.end_run(
         run.id, held.owner, RunEventKind.COMPLETED, output="out", own_messages=own, correlation_id="c"
     )
     assert event.revision == run.revision + 1
@@ -250,5 +262,5 @@ async def test_an_end_by_a_worker_that_does_not_hold_the_run_writes_nothing(
     before = await db.snapshot()
     for intruder in ("somebody-else", ""):
         with pytest.raises(RunLeaseLost):
-            await stores.at(scope).runs.end_run(run.id, intruder, RunEventKind.COMPLETED)
+            await writes(stores, scope).runs.end_run(run.id, intruder, RunEventKind.COMPLETED)
     assert await db.snapshot() == before

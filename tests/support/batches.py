@@ -1,5 +1,5 @@
-"""Holding a worker's batch back, so that the commands published meanwhile gather for the next one (group
-commit, consumers/batching.py): for the tests of what one batch does."""
+"""Holding a worker's claims back, so that the commands published meanwhile gather for the next batch (group
+commit, engine/committer.py): for the tests of what one batch does."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 import asyncpg
 
 from intermission.agent.loop import default_executor
+from intermission.engine.claims import CLAIM
 from intermission.fleet.settings import Settings
 from intermission.fleet.worker import Worker, running_worker
 from intermission.publishers.clients import HostClient, version_of
@@ -41,10 +42,9 @@ async def one_batch_at_a_time(settings: Settings, stores: Stores) -> AsyncIterat
 async def held_back(
     stores: Stores, w: Worker, host: HostClient, blocker: Notice
 ) -> AsyncIterator[Callable[[int], Awaitable[None]]]:
-    """Hold the worker's one batch on the blocker run's row lock. Yields ``gathered(n)``, which returns once
-    ``n`` deliveries wait for the next batch; leaving the block lets the lock go."""
-    assert w.consumers.batches is not None
-    batches = w.consumers.batches
+    """Hold the worker's one batch of claims on the blocker run's row lock. Yields ``gathered(n)``, which returns
+    once ``n`` commands' claims wait for the next batch; leaving the block lets the lock go."""
+    scheduler = w.fleet.engine.scheduler
     con: asyncpg.Connection[Any] = await asyncpg.connect(stores.db.dsn)
     try:
         tx = con.transaction()
@@ -53,12 +53,12 @@ async def held_back(
         await host.resume(answer(blocker))
 
         async def blocked() -> bool:
-            # The blocker's claim (claim_pause, a batch of one) waits on the lock. Read on another connection:
-            # inside a transaction, pg_stat_activity is read once and kept.
+            # The blocker's claim (a batch of one) waits on the lock. Read on another connection: inside a
+            # transaction, pg_stat_activity is read once and kept.
             async with stores.db.connection() as watcher:
                 waiting = await watcher.raw.fetchval(
                     "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock' AND query LIKE 'SELECT c.outcome,%'"
+                    " AND wait_event_type = 'Lock' AND query LIKE '%intermission_claim_pauses_v2%'"
                 )
             return bool(waiting == 1)
 
@@ -66,7 +66,7 @@ async def held_back(
 
         async def gathered(n: int) -> None:
             async def enough() -> bool:
-                return batches.waiting >= n
+                return scheduler.waiting(CLAIM) >= n
 
             await eventually(enough, within=WAIT, what=f"{n} deliveries waiting for the next batch")
 

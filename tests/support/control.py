@@ -1,10 +1,13 @@
-"""Commands applied in-process: the same store effects the RabbitMQ consumers apply, handed straight to
-this process's fleet. Tests, the demo and one-shot tools use it; production commands arrive through
-``consumers/``."""
+"""Commands applied in-process: the same engine operations the RabbitMQ consumers apply, handed straight to
+this process's fleet. Tests use it; production commands arrive through ``consumers/``."""
 
 from __future__ import annotations
 
 from intermission import points
+from intermission.engine.commands import Cancel, Claimed, Decide, Expire, Reply, Resume, Start
+from intermission.engine.core import Engine
+from intermission.engine.starts import RunDefaults
+from intermission.engine.transition import Applicable
 from intermission.fleet.runtime import Fleet
 from intermission.schemas.commands import (
     CancelCommand,
@@ -14,7 +17,6 @@ from intermission.schemas.commands import (
     ResumeCommand,
     StartCommand,
 )
-from intermission.store.commands import Claimed, RunDefaults
 
 
 class LocalControl:
@@ -29,7 +31,13 @@ class LocalControl:
             max_tool_calls=self.fleet.settings.max_tool_calls,
         )
 
-    def _hand_over(self, claimed: Claimed | None) -> Claimed | None:
+    @property
+    def engine(self) -> Engine:
+        """The fleet's engine, under its lease, with the settings' defaults."""
+        return self.fleet.engine.under(defaults=self.defaults())
+
+    async def _apply(self, operation: Applicable[Claimed | None]) -> Claimed | None:
+        claimed = await self.engine.apply(operation)
         if claimed is None:
             return None
         points.reach(points.AFTER_CLAIM)
@@ -37,32 +45,22 @@ class LocalControl:
         return claimed
 
     async def start(self, cmd: StartCommand, correlation_id: str | None = None) -> Claimed | None:
-        claimed = await self.stores.commands.start(
-            cmd, self.defaults(), self.fleet.lease(), correlation_id=correlation_id
-        )
-        return self._hand_over(claimed)
+        return await self._apply(Start(cmd, correlation_id=correlation_id))
 
     async def resume(self, cmd: ResumeCommand, correlation_id: str | None = None) -> Claimed | None:
-        claimed = await self.stores.commands.resume(cmd, self.fleet.lease(), correlation_id=correlation_id)
-        return self._hand_over(claimed)
+        return await self._apply(Resume(cmd, correlation_id=correlation_id))
 
     async def decide(
         self, cmd: DecideCommand, principal: str | None, correlation_id: str | None = None
     ) -> Claimed | None:
-        claimed = await self.stores.commands.decide(
-            cmd, self.fleet.lease(), principal=principal, correlation_id=correlation_id
-        )
-        return self._hand_over(claimed)
+        return await self._apply(Decide(cmd, principal, correlation_id=correlation_id))
 
     async def cancel(self, cmd: CancelCommand, correlation_id: str | None = None) -> Claimed | None:
-        claimed = await self.stores.commands.cancel(cmd, self.fleet.lease(), correlation_id=correlation_id)
-        return self._hand_over(claimed)
+        return await self._apply(Cancel(cmd, correlation_id=correlation_id))
 
     async def expire(self, cmd: ExpireCommand, correlation_id: str | None = None) -> Claimed | None:
-        claimed = await self.stores.commands.expire(cmd, self.fleet.lease(), correlation_id=correlation_id)
-        return self._hand_over(claimed)
+        return await self._apply(Expire(cmd, correlation_id=correlation_id))
 
     async def reply(self, cmd: ReplyCommand, correlation_id: str | None = None) -> Claimed | None:
         """The bus's reply, from inside the process: the caller vouches that it is the bus."""
-        claimed = await self.stores.commands.reply(cmd, self.fleet.lease(), correlation_id=correlation_id)
-        return self._hand_over(claimed)
+        return await self._apply(Reply(cmd, correlation_id=correlation_id))

@@ -1,19 +1,27 @@
-"""Build runs in the states tests need, through the store's real write paths."""
+"""Build runs in the states tests need, through the engine's real transitions."""
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
 
+from intermission.engine.core import Engine
+from intermission.engine.runs import Pause
+from intermission.engine.seed import ScopedEngine
 from intermission.schemas.config import RunConfig
 from intermission.schemas.llm import Message, Role
 from intermission.schemas.run import Lease, NewRun, Run
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import Continuation, PendingCall, SuspendReason, Suspension
 from intermission.store import Stores
-from intermission.store.runs import Pause
 
 LEASE_TTL = 30.0
+
+
+def writes(stores: Stores, scope: Scope, through: Engine | None = None) -> ScopedEngine:
+    """The original package's store API at ``scope``, writing through ``through`` (an engine of the test's,
+    say one that hands its events to a sink), or through an engine of its own over ``stores``."""
+    return (through or Engine.over(stores)).at(scope)
 
 
 def owner() -> str:
@@ -55,9 +63,10 @@ async def running_run(
     holder: Lease | None = None,
     run_id: str | None = None,
     pause_ttl_seconds: int = 0,
+    through: Engine | None = None,
 ) -> tuple[Run, Lease]:
     held = holder or lease()
-    created = await stores.at(scope).runs.create_run(
+    created = await writes(stores, scope, through).runs.create_run(
         NewRun(
             run_id=run_id or f"run-{uuid.uuid4().hex[:12]}",
             agent_id="demo",
@@ -78,9 +87,10 @@ async def paused_run(
     pending: list[PendingCall] | None = None,
     approvers: list[str] | None = None,
     run_id: str | None = None,
+    through: Engine | None = None,
 ) -> PausedRun:
-    run, held = await running_run(stores, scope, run_id=run_id)
-    paused = await stores.at(scope).runs.pause_run(
+    run, held = await running_run(stores, scope, run_id=run_id, through=through)
+    paused = await writes(stores, scope, through).runs.pause_run(
         run.id,
         held.owner,
         Pause(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from intermission.agent.loop import default_executor
+from intermission.engine.holding import Reclaimed, Unreadable
 from intermission.fleet.runtime import Fleet
 from intermission.fleet.settings import Settings
 from intermission.schemas.commands import StartCommand
@@ -17,8 +18,6 @@ from intermission.schemas.run import Run
 from intermission.schemas.scope import Scope
 from intermission.schemas.script import ScriptTurn
 from intermission.store import Stores
-from intermission.store.across_scopes import Unreadable
-from intermission.store.runs import Reclaimed
 from tests.support.control import LocalControl
 
 DRAIN_TIMEOUT = 30.0

@@ -3,18 +3,19 @@
 ``insert`` writes rows as a foreign writer would (plain SQL in one transaction of a pool connection, so the
 ``outbox_notify`` trigger fires as for any writer that is not a relayed worker): the relay publishes
 whatever is in the table, whoever wrote it. ``ended_run_event`` writes a row the way the fleet does, through
-a transition of the store (a run's end).
+a transition of the engine (a run's end).
 """
 
 from __future__ import annotations
 
 import json
 
+from intermission.engine.core import Engine
+from intermission.engine.events import OutboxEvent
 from intermission.schemas.events import RunEventKind
 from intermission.schemas.scope import Scope
 from intermission.store import Stores
-from intermission.store.outbox import OutboxEvent
-from tests.support.factories import running_run
+from tests.support.factories import running_run, writes
 
 
 async def insert(stores: Stores, scope: Scope, *events: OutboxEvent, run_id: str | None = None) -> list[str]:
@@ -36,10 +37,11 @@ async def insert(stores: Stores, scope: Scope, *events: OutboxEvent, run_id: str
     return [str(e.message_id) for e in events]
 
 
-async def ended_run_event(stores: Stores, scope: Scope) -> str:
-    """A run started and ended through the store: the message id of its ``run.completed`` row."""
-    run, held = await running_run(stores, scope)
-    await stores.at(scope).runs.end_run(run.id, held.owner, RunEventKind.COMPLETED, output="done")
+async def ended_run_event(stores: Stores, scope: Scope, through: Engine | None = None) -> str:
+    """A run started and ended through the engine (``through``, or one of its own over ``stores``): the
+    message id of its ``run.completed`` row."""
+    run, held = await running_run(stores, scope, through=through)
+    await writes(stores, scope, through).runs.end_run(run.id, held.owner, RunEventKind.COMPLETED, output="done")
     async with stores.db.connection() as con:
         found = await con.fetch("list_outbox_for_run", run.id, scope.app, scope.tenant)
     return str(found[-1]["message_id"])

@@ -16,7 +16,7 @@ from intermission.schemas.run import Lease
 from intermission.schemas.scope import Scope
 from intermission.schemas.suspension import ClaimVersion, PendingCall, Progress, SuspendReason
 from intermission.store import Stores
-from tests.support.factories import PausedRun, continuation, paused_run
+from tests.support.factories import PausedRun, continuation, paused_run, writes
 
 # Every table a resume write may touch; "nothing written" means none of these changed.
 WATCHED_TABLES = (
@@ -113,8 +113,8 @@ async def until_db_clock_passes(stores: Stores, moment: datetime) -> None:
 
 async def admitted_and_started(stores: Stores, scope: Scope) -> tuple[PausedRun, ResumeStart]:
     p = await agent_reply_pause(stores, scope)
-    admission = await stores.at(scope).resume.admit_resume(admission_request(p, scope))
-    start = await stores.at(scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
+    admission = await writes(stores, scope).resume.admit_resume(admission_request(p, scope))
+    start = await writes(stores, scope).resume.start_resume(p.run.id, p.suspension.id, admission.request_digest)
     return p, start
 
 

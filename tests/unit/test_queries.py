@@ -47,13 +47,12 @@ def test_parse_splits_named_statements_and_drops_descriptions() -> None:
     }
 
 
-def test_parse_maps_named_arguments_to_their_positions_and_reads_what_a_statement_writes() -> None:
-    text = "-- call_it --\n-- Calls f.\n-- writes: outbox, inbox\nSELECT f(p_b => $2,\n p_a => $1);\n"
+def test_parse_reads_what_a_statement_declares_it_writes() -> None:
+    text = "-- call_it --\n-- Calls f.\n-- writes: outbox, inbox\nSELECT * FROM f($1::t[]);\n"
     (query,) = parse(text).values()
-    assert query.arguments == ("a", "b")
     assert query.writes == {"outbox", "inbox"}
-    with pytest.raises(ValueError, match="exactly once"):
-        parse("-- gap --\nSELECT f(p_a => $1, p_b => $3);\n")
+    (plain,) = parse("-- read_it --\nSELECT 1;\n").values()
+    assert plain.writes == frozenset()
 
 
 def test_parse_refuses_a_file_without_headers() -> None:
@@ -87,9 +86,10 @@ def _functions() -> dict[str, str]:
 
 
 def test_the_declared_outbox_writers_are_exactly_the_statements_that_add_outbox_rows() -> None:
-    # A relayed process wakes its relay only after these (store/db.py): one missing here would leave its
-    # rows to the poll. A statement writes the outbox when its own text inserts into it, or when it calls a
-    # function that does (directly or through another function).
+    # The declarations say which statements' commits carry events (the engine hands those to its sink,
+    # engine/committer.py); one that lied would mislead whoever reads store/queries/. A statement writes the
+    # outbox when its own text inserts into it, or when it calls a function that does (directly or through
+    # another function).
     functions = _functions()
     writers = {name for name, body in functions.items() if "insert into outbox" in " ".join(body.lower().split())}
     while True:
@@ -103,5 +103,5 @@ def test_the_declared_outbox_writers_are_exactly_the_statements_that_add_outbox_
         if "into outbox" in " ".join(q.sql.lower().split()) or any(w + "(" in q.sql for w in writers)
     }
     assert inserting == OUTBOX_WRITERS
-    assert {"claim_pause", "pause_run", "end_run", "admit_resume"} <= OUTBOX_WRITERS
+    assert {"claim_pauses_v2", "pause_runs_v3", "end_runs_v3", "admit_resumes_v2", "close_resumes_v1"} <= OUTBOX_WRITERS
     assert "mark_outbox_sent" not in OUTBOX_WRITERS
