@@ -6,6 +6,10 @@ function is the conformance suite's (``tests/support/conformance.py``), held to 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -23,10 +27,13 @@ from intermission.engine.memory import (
     jsonb,
     memory_engine,
 )
+from intermission.engine.observer import Quiet
+from intermission.engine.pauses import DeletePause
 from intermission.engine.runs import DrawPauseKeys, SaveProgress
 from intermission.engine.sink import CollectedEvents
 from intermission.engine.starts import START, StartRow
-from intermission.schemas.errors import InvalidArgument, RunLeaseLost, SuspensionExpired
+from intermission.engine.transition import Family
+from intermission.schemas.errors import InvalidArgument, NotSuspended, RunLeaseLost, SuspensionExpired
 from intermission.store.db import StoreError
 from tests.support.conformance import (
     LEASE,
@@ -213,3 +220,58 @@ def test_a_timestamp_in_jsonb_loses_its_trailing_zeros() -> None:
 def test_an_engine_over_another_committer_is_not_an_in_memory_one() -> None:
     with pytest.raises(TypeError, match="Recording"):
         committer_of(Engine(Recording(InMemoryCommitter())))
+
+
+class CancelsAfterCommit(Quiet):
+    """Cancels ``caller_task`` as the statement ends, ``hops`` turns of the loop later: a cancel that lands
+    around the moment the committer sets the outcome and the caller wakes to take it (a lease keeper
+    cancelling a run whose write was just refused, say). Which turn is the dangerous one depends on how the
+    caller waits, so the test tries each."""
+
+    def __init__(self, hops: int) -> None:
+        self.hops = hops
+        self.caller_task: asyncio.Task[Any] | None = None
+
+    @contextlib.contextmanager
+    def committing(self, family: Family, callers: Sequence[object]) -> Iterator[None]:
+        yield
+        if self.caller_task is not None:
+            self._later(self.caller_task, self.hops)
+
+    def _later(self, task: asyncio.Task[Any], hops: int) -> None:
+        loop = asyncio.get_running_loop()
+        if hops <= 1:
+            loop.call_soon(task.cancel)
+        else:
+            loop.call_soon(self._later, task, hops - 1)
+
+
+@pytest.mark.parametrize("hops", [1, 2, 3])
+async def test_a_refusal_whose_caller_was_cancelled_is_not_reported_as_never_retrieved(hops: int) -> None:
+    # A refusal nobody took, reported "never retrieved" when its future is collected, logs an error with a
+    # traceback from a finalizer at any moment (on CPython 3.11 it even re-enters ast.parse from there,
+    # which made a test that parses source fail with "AST constructor recursion depth mismatch").
+    observer = CancelsAfterCommit(hops)
+    engine = memory_engine(observer=observer)
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        caller = asyncio.create_task(engine.apply(DeletePause(SCOPE, "no-such-run")))
+        observer.caller_task = caller
+        # Cancelled, or refused when the cancel came after it woke: either way nothing is left over.
+        with pytest.raises((asyncio.CancelledError, NotSuspended)):
+            await caller
+        await engine.scheduler.idle()
+        # The refusal was there to take: alone and not cancelled, the same transition raises it.
+        observer.caller_task = None
+        with pytest.raises(NotSuspended):
+            await engine.apply(DeletePause(SCOPE, "no-such-run"))
+        del caller
+        observer.caller_task = None
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert [c["message"] for c in reported] == []

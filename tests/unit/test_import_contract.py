@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.source import parse_file
+
 ROOT = Path(__file__).resolve().parents[2]
 TABLE_HEADER = "| subpackage | folder | holds | may import |"
 
@@ -68,7 +70,7 @@ def files_of(row: Row) -> list[Path]:
 
 
 def imports_in(path: Path) -> Iterator[tuple[int, str]]:
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    tree = parse_file(path)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:

@@ -18,6 +18,7 @@ from intermission.schemas.errors import InvalidContinuation
 from intermission.schemas.llm import Message, Role, ToolCall
 from tests.examples.openai_agents_agent import billing_agent
 from tests.examples.openai_agents_script import ScriptPlayer
+from tests.support.source import parse_file
 
 ROOT = Path(__file__).resolve().parents[2]
 # The product's folders (``intermission/`` itself holds two modules and links to these).
@@ -126,7 +127,7 @@ def test_only_the_integration_imports_the_sdk() -> None:
     paths = [*(ROOT / "intermission").glob("*.py"), *(p for f in PRODUCT for p in (ROOT / f).rglob("*.py"))]
     assert len(paths) > 50
     for path in sorted(paths):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_file(path)):
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

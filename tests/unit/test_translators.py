@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.source import parse_file
+
 ROOT = Path(__file__).resolve().parents[2]
 TRANSLATORS = ["agent/loop.py", "integrations/pydantic_ai.py", "integrations/openai_agents.py"]
 
@@ -79,13 +81,13 @@ def modules_in(tree: ast.AST) -> set[str]:
 
 @pytest.mark.parametrize("path", TRANSLATORS)
 def test_an_executor_holds_no_durability_rule(path: str) -> None:
-    tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+    tree = parse_file(ROOT / path)
     assert sorted(names_in(tree) & RULES) == []
     assert sorted(modules_in(tree) & MODULES) == []
 
 
 def test_the_check_sees_a_rule() -> None:
     # The check itself can fail: the durable run holds these names, so reading it finds them.
-    tree = ast.parse((ROOT / "agent" / "durable.py").read_text(encoding="utf-8"))
+    tree = parse_file(ROOT / "agent" / "durable.py")
     assert {"save_progress", "reached", "Pause", "approval_group", "MaxStepsReached", "blocks"} <= names_in(tree)
     assert "intermission.engine.runs" in modules_in(tree)
