@@ -430,8 +430,9 @@ class EndRun(OfRun[RunEvent]):
         if self.kind not in END_STATES:
             raise InvalidArgument(f"{self.kind.value} is not an end")
 
-    @property
+    @cached_property
     def ended(self) -> RunEvent:
+        # Built once: the event's body and the result the caller gets are the same run event.
         return RunEvent(
             kind=self.kind,
             run_id=self.run_id,
